@@ -1,0 +1,94 @@
+"""package: graph with weights as attributes → artifact files in the staging dir
+(graph.pt2 with weights lifted to inputs, weights.safetensors, tokenizer, manifest.json).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import fx
+
+from picompile.artifact import Manifest, write_manifest
+from picompile.context import BuildContext
+from picompile.graph import get_tensor, placeholders
+from picompile.passes.capture import dynamic_shapes, example_inputs
+from picompile.passes.registry import register_pass
+
+GRAPH_FILE = "graph.pt2"
+WEIGHTS_FILE = "weights.safetensors"
+
+
+def lift_weights(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[str], dict[str, torch.Tensor]]:
+    """A copy of the graph whose get_attr tensors are extra inputs (after the model inputs).
+
+    Returns (graph module, weight keys in input order, {key: tensor}); tensors shared by several
+    attributes (tied embeddings) become one input.
+    """
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for ph in placeholders(gm):
+        env[ph] = graph.placeholder(ph.name)
+        env[ph].meta = dict(ph.meta)
+    keys: list[str] = []
+    tensors: dict[str, torch.Tensor] = {}
+    by_storage: dict[tuple[int, tuple[int, ...], torch.dtype], fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        t = get_tensor(gm, node)
+        sig = (t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size(), tuple(t.shape), t.dtype)
+        if sig in by_storage and t.numel() > 0:
+            env[node] = by_storage[sig]
+            continue
+        key = str(node.target)
+        env[node] = graph.placeholder("w_" + key.replace(".", "_"))
+        keys.append(key)
+        tensors[key] = t.detach().contiguous()
+        by_storage[sig] = env[node]
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "get_attr"):
+            continue
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    return fx.GraphModule(torch.nn.Module(), graph), keys, tensors
+
+
+@register_pass("package")
+def package(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
+    out = ctx.staging_dir
+    lifted, keys, tensors = lift_weights(gm)
+    ids, past = example_inputs(ctx)
+    weights = tuple(tensors[k] for k in keys)
+    ids_dim, past_dims = dynamic_shapes(ctx, len(past))
+    with torch.no_grad():
+        ep = torch.export.export(
+            lifted, (ids, *past, *weights), dynamic_shapes=(ids_dim, *past_dims, *([None] * len(weights))), strict=False
+        )
+    torch.export.save(ep, out / GRAPH_FILE)
+    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    tokenizer = None
+    if ctx.info.tokenizer is not None:
+        from picompile.tokenizers import load_tokenizer, save_tokenizer
+
+        tok = load_tokenizer(ctx.info.tokenizer["kind"], Path(ctx.info.tokenizer["path"]))
+        tokenizer = save_tokenizer(tok, out)
+    manifest = Manifest(
+        model=ctx.info.to_json(),
+        target=ctx.target.to_json(),
+        build={"max_seq_len": ctx.max_seq_len, "predictor": ctx.config.predictor, "seed": ctx.config.seed},
+        pipeline=list(ctx.pipeline),
+        graph={
+            "file": GRAPH_FILE,
+            "inputs": ["input_ids"] + [f"past_{i}" for i in range(len(past))],
+            "n_past": len(past),
+            "kv_shape": [1, ctx.info.n_kv_heads, "past", ctx.info.head_dim],
+            "outputs": ["logits"] + [f"present_{i}" for i in range(len(past))],
+            "weights": keys,
+        },
+        weights={"file": WEIGHTS_FILE, "dtype": "float32"},
+        layers=[layer.to_json() for layer in ctx.ffn_layers],
+        tokenizer=tokenizer,
+        sections=dict(ctx.manifest_extra),
+    )
+    write_manifest(out, manifest)
+    return gm

@@ -1,0 +1,36 @@
+"""User-facing errors: the CLI prints their message and exits non-zero, without a traceback."""
+from __future__ import annotations
+
+
+class PicompileError(Exception):
+    """Base class for every error caused by user input (bad path, model, artifact, budget …)."""
+
+    exit_code: int = 2
+
+
+class ModelLoadError(PicompileError):
+    """The model path is missing, not a checkpoint, corrupt, or of an unsupported architecture."""
+
+
+class UnsupportedArchitectureError(ModelLoadError):
+    """The checkpoint's architecture has no frontend."""
+
+
+class PatternError(PicompileError):
+    """A graph pattern (e.g. an FFN block) did not match; the message says why."""
+
+
+class PassError(PicompileError):
+    """A pass failed; the message names the pass."""
+
+
+class ArtifactError(PicompileError):
+    """An artifact is missing, corrupt, of another format version, or fails its checksums."""
+
+
+class BudgetError(PicompileError):
+    """The memory budget is too small for what must fit."""
+
+
+class InputError(PicompileError):
+    """Bad runtime input: a prompt longer than the context, an empty prompt, an unknown token id."""

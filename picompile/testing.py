@@ -1,0 +1,48 @@
+"""Tiny seeded random models of every supported family, saved as HF checkpoints (for tests and demos)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+Family = Literal["opt", "llama", "mistral"]
+
+
+def tiny_config(family: Family = "llama", act: str = "relu", *, d_model: int = 64, n_neurons: int = 192,
+                n_layers: int = 2, n_heads: int = 4, n_kv_heads: int = 2, vocab: int = 256, max_pos: int = 128):
+    """A transformers config of a tiny model; ``act`` is the FFN activation (relu | silu | gelu)."""
+    from transformers import LlamaConfig, MistralConfig, OPTConfig
+
+    common = dict(vocab_size=vocab, hidden_size=d_model, num_hidden_layers=n_layers, num_attention_heads=n_heads,
+                  max_position_embeddings=max_pos, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if family == "opt":
+        return OPTConfig(ffn_dim=n_neurons, activation_function=act, word_embed_proj_dim=d_model,
+                         do_layer_norm_before=True, dropout=0.0, **common)
+    cls = LlamaConfig if family == "llama" else MistralConfig
+    extra = {"sliding_window": None} if family == "mistral" else {}
+    return cls(intermediate_size=n_neurons, hidden_act=act, num_key_value_heads=n_kv_heads,
+               tie_word_embeddings=False, **extra, **common)
+
+
+def make_tiny_model(family: Family = "llama", act: str = "relu", seed: int = 0, **shape: int) -> torch.nn.Module:
+    """A randomly initialised (seeded) tiny causal LM in eval mode, float32."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = tiny_config(family, act, **shape)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    with torch.no_grad():  # HF's init is very small; widen it so logits differ clearly between tokens
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.5 / p.shape[1] ** 0.5 * 4)
+    return model.eval()
+
+
+def save_tiny_checkpoint(path: str | Path, family: Family = "llama", act: str = "relu", seed: int = 0,
+                         **shape: int) -> Path:
+    """Write a tiny seeded checkpoint directory (config.json + model.safetensors) and return it."""
+    path = Path(path)
+    model = make_tiny_model(family, act, seed, **shape)
+    model.save_pretrained(path, safe_serialization=True)
+    return path

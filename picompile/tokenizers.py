@@ -1,0 +1,330 @@
+"""Tokenizers the runtime uses: llama2.c tokenizer.bin files and Hugging Face tokenizer.json files.
+
+Both implement the `Tokenizer` protocol. `save_tokenizer` copies a tokenizer's source file(s) into
+an artifact directory and returns a manifest entry; `load_tokenizer_entry` (or `load_tokenizer`
+with the entry's kind and first file) loads it back.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from picompile.errors import ArtifactError, InputError, ModelLoadError
+
+TOKENIZER_SUBDIR = "tokenizer"
+_BYTE_PIECE = re.compile(rb"^<0x([0-9A-Fa-f]{2})>$")
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What the runtime needs from a tokenizer."""
+
+    bos_id: int | None
+    eos_id: int | None
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, text: str, bos: bool = True) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+# ----------------------------------------------------------------------------- llama2.c
+
+
+@dataclass
+class Llama2cTokenizer:
+    """llama2.c's tokenizer.bin: sentencepiece-style pieces with scores, encoded as run.c does."""
+
+    pieces: list[bytes]  # [vocab] raw bytes of every token ("<0x41>" for byte-fallback tokens)
+    scores: list[float]  # [vocab] merge priority
+    max_token_length: int
+    bos_id: int | None = 1
+    eos_id: int | None = 2
+    source: Path | None = None  # the file it came from (copied by save_tokenizer)
+    _lookup: dict[bytes, int] = field(init=False, repr=False)
+    _byte_ids: dict[int, int] = field(init=False, repr=False)  # raw byte -> its "<0xXX>" token id
+    _piece_bytes: list[bytes] = field(init=False, repr=False)  # [vocab] what each token decodes to
+
+    def __post_init__(self) -> None:
+        self._lookup = {}
+        for i, p in enumerate(self.pieces):
+            self._lookup.setdefault(p, i)
+        self._byte_ids = {}
+        self._piece_bytes = []
+        for i, p in enumerate(self.pieces):
+            m = _BYTE_PIECE.match(p)
+            if m:
+                self._byte_ids.setdefault(int(m.group(1), 16), i)
+                self._piece_bytes.append(bytes([int(m.group(1), 16)]))
+            else:
+                self._piece_bytes.append(p)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.pieces)
+
+    @classmethod
+    def from_file(cls, path: Path, vocab_size: int | None = None) -> "Llama2cTokenizer":
+        """Read a llama2.c tokenizer.bin: int32 max_token_length, then per token float32 score,
+        int32 length, bytes. Without `vocab_size`, tokens are read until the end of the file."""
+        path = Path(path)
+        if not path.is_file():
+            raise ModelLoadError(f"llama2.c tokenizer file {path} does not exist")
+        data = path.read_bytes()
+        if len(data) < 4:
+            raise ModelLoadError(f"{path}: too short for a llama2.c tokenizer ({len(data)} bytes)")
+        (max_len,) = struct.unpack_from("<i", data, 0)
+        if not 0 < max_len <= 1 << 16:
+            raise ModelLoadError(f"{path}: corrupt llama2.c tokenizer, max_token_length = {max_len}")
+        pieces: list[bytes] = []
+        scores: list[float] = []
+        pos = 4
+        while pos < len(data) and (vocab_size is None or len(pieces) < vocab_size):
+            if pos + 8 > len(data):
+                raise ModelLoadError(f"{path}: truncated llama2.c tokenizer in the record of token {len(pieces)}")
+            score, n = struct.unpack_from("<fi", data, pos)
+            pos += 8
+            if not 0 <= n <= max_len or pos + n > len(data):
+                raise ModelLoadError(
+                    f"{path}: corrupt or truncated llama2.c tokenizer: token {len(pieces)} claims {n} bytes "
+                    f"(max_token_length {max_len}, {len(data) - pos} bytes left)")
+            pieces.append(data[pos:pos + n])
+            scores.append(score)
+            pos += n
+        if vocab_size is not None and len(pieces) != vocab_size:
+            raise ModelLoadError(f"{path}: llama2.c tokenizer holds {len(pieces)} tokens, expected {vocab_size}")
+        if pos != len(data):
+            raise ModelLoadError(f"{path}: {len(data) - pos} bytes of trailing data after {len(pieces)} tokens")
+        if len(pieces) < 3:
+            raise ModelLoadError(f"{path}: llama2.c tokenizer has only {len(pieces)} tokens")
+        # run.c hard-codes BOS = 1 and EOS = 2; the pieces are "\n<s>\n" and "\n</s>\n".
+        return cls(pieces, scores, max_len, bos_id=1, eos_id=2, source=path)
+
+    def _char_ids(self, chunk: bytes) -> list[int]:
+        """One UTF-8 character (or stray byte run) -> its token, else its byte-fallback tokens."""
+        tid = self._lookup.get(chunk)
+        if tid is not None:
+            return [tid]
+        out: list[int] = []
+        for b in chunk:
+            if b not in self._byte_ids:
+                raise InputError(f"byte 0x{b:02X} has no token and the vocabulary has no <0x{b:02X}> fallback")
+            out.append(self._byte_ids[b])
+        return out
+
+    def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
+        """Encode exactly as llama2.c run.c's encode(): optional BOS, the " " dummy prefix (for
+        non-empty text), per-character tokens with byte fallback, then greedy best-score merges."""
+        raw = text.encode("utf-8")
+        tokens: list[int] = [self.bos_id] if bos and self.bos_id is not None else []
+        if raw:
+            tokens += self._char_ids(b" ")
+        # Split into UTF-8 characters as run.c does: a non-continuation byte starts a chunk,
+        # continuation bytes (10xxxxxx) extend it, at most 4 bytes per chunk.
+        start = 0
+        for i in range(len(raw)):
+            nxt_is_cont = i + 1 < len(raw) and (raw[i + 1] & 0xC0) == 0x80
+            if (raw[i] & 0xC0) != 0x80:
+                start = i
+            if nxt_is_cont and i + 1 - start < 4:
+                continue
+            tokens += self._char_ids(raw[start:i + 1])
+            start = i + 1
+        # Merge the adjacent pair whose concatenation is a token with the highest score (first wins ties).
+        while True:
+            best_score, best_id, best_idx = -1e10, -1, -1
+            for i in range(len(tokens) - 1):
+                tid = self._lookup.get(self.pieces[tokens[i]] + self.pieces[tokens[i + 1]])
+                if tid is not None and self.scores[tid] > best_score:
+                    best_score, best_id, best_idx = self.scores[tid], tid, i
+            if best_idx == -1:
+                break
+            tokens[best_idx:best_idx + 2] = [best_id]
+        if eos and self.eos_id is not None:
+            tokens.append(self.eos_id)
+        return tokens
+
+    def token_bytes(self, prev_id: int | None, tid: int) -> bytes:
+        """The bytes run.c's decode(prev, token) prints for one token (streaming use).
+
+        BOS/EOS give b""; after BOS a leading space is stripped; "<0xXX>" gives the raw byte."""
+        if not 0 <= tid < len(self.pieces):
+            raise InputError(f"token id {tid} is outside the vocabulary (size {len(self.pieces)})")
+        if tid in (self.bos_id, self.eos_id):
+            return b""
+        piece = self._piece_bytes[tid]
+        if prev_id is not None and prev_id == self.bos_id and piece.startswith(b" "):
+            piece = piece[1:]
+        return piece
+
+    def decode(self, ids: list[int]) -> str:
+        """Token ids -> text: BOS/EOS dropped, leading space after BOS stripped, bytes joined, UTF-8."""
+        out = bytearray()
+        prev: int | None = None
+        for tid in ids:
+            out += self.token_bytes(prev, int(tid))
+            prev = int(tid)
+        return out.decode("utf-8", errors="replace")
+
+    def source_files(self) -> list[Path]:
+        if self.source is None:
+            raise ArtifactError("this llama2.c tokenizer was not read from a file; nothing to save")
+        return [self.source]
+
+
+# ----------------------------------------------------------------------------- Hugging Face
+
+_HF_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+
+
+def _special_token_id(tok: Any, files: list[Path], key: str) -> int | None:
+    """Id of the `key` ("bos_token"/"eos_token") named in tokenizer_config.json or special_tokens_map.json."""
+    for f in files:
+        try:
+            cfg = json.loads(f.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ModelLoadError(f"{f} is not valid JSON: {e}") from None
+        val = cfg.get(key) if isinstance(cfg, dict) else None
+        if isinstance(val, dict):
+            val = val.get("content")
+        if isinstance(val, str):
+            tid = tok.token_to_id(val)
+            if tid is None:
+                raise ModelLoadError(f"{f}: {key} {val!r} is not in the vocabulary")
+            return int(tid)
+    return None
+
+
+@dataclass
+class HFTokenizer:
+    """A Hugging Face `tokenizers` tokenizer.json plus bos/eos ids from its side files.
+
+    encode() adds no special tokens from the post-processor; it prepends bos_id itself when asked,
+    so `bos` means the same for every tokenizer. decode() skips special tokens."""
+
+    tok: Any  # tokenizers.Tokenizer
+    bos_id: int | None = None
+    eos_id: int | None = None
+    files: list[Path] = field(default_factory=list)  # tokenizer.json first, then side files found
+
+    @classmethod
+    def from_file(cls, path: Path) -> "HFTokenizer":
+        """`path` is a tokenizer.json or a directory holding one (side files are read next to it)."""
+        from tokenizers import Tokenizer as _RawTokenizer
+
+        path = Path(path)
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        if not path.is_file():
+            raise ModelLoadError(f"Hugging Face tokenizer file {path} does not exist")
+        try:
+            tok = _RawTokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a plain Exception on bad JSON / unknown model
+            raise ModelLoadError(f"{path}: not a valid tokenizer.json: {e}") from None
+        side = [path.parent / n for n in _HF_SIDE_FILES if (path.parent / n).is_file()]
+        return cls(tok, _special_token_id(tok, side, "bos_token"), _special_token_id(tok, side, "eos_token"),
+                   [path, *side])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.tok.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        ids = list(self.tok.encode(text, add_special_tokens=False).ids)
+        return [self.bos_id, *ids] if bos and self.bos_id is not None else ids
+
+    def decode(self, ids: list[int]) -> str:
+        n = self.vocab_size
+        for t in ids:
+            if not 0 <= int(t) < n:
+                raise InputError(f"token id {t} is outside the vocabulary (size {n})")
+        return str(self.tok.decode([int(t) for t in ids], skip_special_tokens=True))
+
+    def source_files(self) -> list[Path]:
+        if not self.files:
+            raise ArtifactError("this Hugging Face tokenizer was not read from a file; nothing to save")
+        return list(self.files)
+
+
+# ----------------------------------------------------------------------------- load / save
+
+TOKENIZER_KINDS = ("llama2c", "hf")
+
+
+def load_tokenizer(kind: str, path: Path) -> Tokenizer:
+    """Load a tokenizer of `kind` ("llama2c": a tokenizer.bin; "hf": a tokenizer.json or its dir)."""
+    if kind == "llama2c":
+        return Llama2cTokenizer.from_file(Path(path))
+    if kind == "hf":
+        return HFTokenizer.from_file(Path(path))
+    raise ModelLoadError(f"unknown tokenizer kind {kind!r}; known: {', '.join(TOKENIZER_KINDS)}")
+
+
+def _kind_of(tok: Tokenizer) -> str:
+    if isinstance(tok, Llama2cTokenizer):
+        return "llama2c"
+    if isinstance(tok, HFTokenizer):
+        return "hf"
+    raise ArtifactError(f"cannot save a tokenizer of type {type(tok).__name__}")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def save_tokenizer(tok: Tokenizer, dest_dir: Path) -> dict[str, Any]:
+    """Copy the tokenizer's source file(s) into `dest_dir`/tokenizer/ and return its manifest entry:
+    {"kind": ..., "files": [paths relative to dest_dir, main file first], "sha256": {file: hex}}."""
+    kind = _kind_of(tok)
+    sources = tok.source_files()  # type: ignore[attr-defined]
+    out_dir = Path(dest_dir) / TOKENIZER_SUBDIR
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files: list[str] = []
+    digests: dict[str, str] = {}
+    for src in sources:
+        dst = out_dir / src.name
+        if not src.is_file():
+            raise ModelLoadError(f"tokenizer file {src} disappeared before it could be saved")
+        if not dst.exists() or not dst.samefile(src):
+            shutil.copyfile(src, dst)
+        rel = f"{TOKENIZER_SUBDIR}/{src.name}"
+        files.append(rel)
+        digests[rel] = _sha256(dst)
+    return {"kind": kind, "files": files, "sha256": digests}
+
+
+def load_tokenizer_entry(entry: dict[str, Any], artifact_dir: Path) -> Tokenizer:
+    """Load the tokenizer a manifest entry (from save_tokenizer) describes, checking its sha256s."""
+    try:
+        kind, files = entry["kind"], list(entry["files"])
+    except (KeyError, TypeError):
+        raise ArtifactError(f"bad tokenizer manifest entry {entry!r}: needs 'kind' and 'files'") from None
+    if not files:
+        raise ArtifactError("tokenizer manifest entry lists no files")
+    root = Path(artifact_dir)
+    for rel, digest in dict(entry.get("sha256") or {}).items():
+        f = root / rel
+        if not f.is_file():
+            raise ArtifactError(f"tokenizer file {f} named in the manifest is missing")
+        if _sha256(f) != digest:
+            raise ArtifactError(f"tokenizer file {f} fails its sha256 check")
+    return load_tokenizer(kind, root / files[0])
+
+
+__all__ = [
+    "HFTokenizer",
+    "Llama2cTokenizer",
+    "TOKENIZER_KINDS",
+    "Tokenizer",
+    "load_tokenizer",
+    "load_tokenizer_entry",
+    "save_tokenizer",
+]

@@ -1,0 +1,22 @@
+"""picompile's runtime: load an artifact and run it (``picompile.load``)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from picompile.runtime.session import Session
+
+
+def load(path: str | Path, verify: bool = True) -> Session:
+    """Load an artifact directory: check its manifest version and checksums, bind weights, return a Session."""
+    from picompile.runtime.loader import load_artifact
+
+    root, manifest, graph = load_artifact(path, verify=verify)
+    tokenizer = None
+    if manifest.tokenizer:
+        from picompile.tokenizers import load_tokenizer
+
+        tokenizer = load_tokenizer(manifest.tokenizer["kind"], root / manifest.tokenizer["files"][0])
+    return Session(root, manifest, graph, tokenizer)
+
+
+__all__ = ["Session", "load"]

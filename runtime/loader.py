@@ -1,0 +1,59 @@
+"""Load an artifact: verify the manifest, deserialize the graph, bind the weights it names."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from torch import fx
+
+from picompile.artifact import Manifest, read_manifest
+from picompile.errors import ArtifactError
+from picompile.graph import flatten_codegen, placeholders
+
+
+def bind_weights(gm: fx.GraphModule, n_inputs: int, keys: list[str], tensors: dict[str, torch.Tensor]) -> fx.GraphModule:
+    """Turn the weight inputs (after the first ``n_inputs``) into buffers the graph reads directly."""
+    phs = placeholders(gm)
+    if len(phs) != n_inputs + len(keys):
+        raise ArtifactError(f"graph takes {len(phs)} inputs but the manifest names {n_inputs} + {len(keys)} weights")
+    for i, (ph, key) in enumerate(zip(phs[n_inputs:], keys)):
+        name = f"w{i}"
+        gm.register_buffer(name, tensors[key])
+        with gm.graph.inserting_before(ph):
+            attr = gm.graph.get_attr(name)
+        attr.meta = dict(ph.meta)
+        ph.replace_all_uses_with(attr)
+        gm.graph.erase_node(ph)
+    gm.recompile()
+    return gm
+
+
+def load_graph(root: Path, manifest: Manifest) -> fx.GraphModule:
+    """The executable decoder-step graph: forward(input_ids, *past) -> (logits, *presents)."""
+    import picompile.ops  # noqa: F401  (registers picompile:: ops the graph calls)
+
+    g = manifest.graph
+    try:
+        ep = torch.export.load(root / g["file"])
+    except Exception as e:
+        raise ArtifactError(f"cannot read the graph {root / g['file']}: {type(e).__name__}: {e}") from None
+    wfile = root / manifest.weights["file"]
+    try:
+        tensors = load_file(str(wfile))
+    except (SafetensorError, OSError) as e:
+        raise ArtifactError(f"cannot read weights {wfile}: {e}") from None
+    missing = [k for k in g["weights"] if k not in tensors]
+    if missing:
+        raise ArtifactError(f"{wfile} lacks {len(missing)} tensors the manifest names, e.g. {missing[:3]}")
+    gm = ep.module()
+    gm._forward_pre_hooks.clear()  # torch.export's input checks assume the pytree signature we drop
+    gm = flatten_codegen(gm)
+    return bind_weights(gm, 1 + int(g["n_past"]), list(g["weights"]), tensors)
+
+
+def load_artifact(root: str | Path, verify: bool = True) -> tuple[Path, Manifest, fx.GraphModule]:
+    root = Path(root)
+    manifest = read_manifest(root, verify=verify)
+    return root, manifest, load_graph(root, manifest)
