@@ -55,6 +55,11 @@ def _weights_are_attrs(*nodes: fx.Node) -> bool:
 def match_ffn(act_node: fx.Node) -> FFNMatch | str:
     """Match the FFN around one activation node; a string says why it does not match."""
     act = ACT_TARGETS[act_node.target]
+    approx = act_node.kwargs.get("approximate", "none")
+    if act == "gelu" and approx != "none":
+        if approx != "tanh":
+            return f"{act_node.name} is gelu(approximate={approx!r}), which picompile.ffn does not implement"
+        act = "gelu_tanh"
     first = act_node.args[0]
     if not _is_linear(first):
         return f"the input of {act_node.name} ({act}) is {getattr(first, 'target', first)}, not a linear"

@@ -17,6 +17,7 @@ def flatten_codegen(gm: fx.GraphModule) -> fx.GraphModule:
             gm.graph.erase_node(node)
     if hasattr(gm, "_guards_fn"):
         delattr(gm, "_guards_fn")
+    gm._forward_pre_hooks.clear()  # torch.export's input checks assume the pytree signature we drop
     gm.graph._codegen = fx.graph.CodeGen()
     gm.recompile()
     return gm

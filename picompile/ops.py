@@ -14,6 +14,7 @@ ACTIVATIONS: dict[str, object] = {
     "relu": torch.relu,
     "silu": torch.nn.functional.silu,
     "gelu": torch.nn.functional.gelu,
+    "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
 }
 
 

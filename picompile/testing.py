@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
+
+if TYPE_CHECKING:
+    from picompile.context import BuildContext
 
 Family = Literal["opt", "llama", "mistral"]
 
@@ -46,3 +49,18 @@ def save_tiny_checkpoint(path: str | Path, family: Family = "llama", act: str = 
     model = make_tiny_model(family, act, seed, **shape)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def context_for(model: str | Path, staging: str | Path, target: str = "cpu", **options: object) -> "BuildContext":
+    """A BuildContext for running single passes in tests (loads the model, no pipeline run)."""
+    from picompile.config import BuildConfig
+    from picompile.context import BuildContext
+    from picompile.frontend import load_model
+    from picompile.pipeline import pass_names
+    from picompile.targets import get_target
+
+    config = BuildConfig(model=str(model), output=Path(staging) / "out.pic", target=target, **options)  # type: ignore[arg-type]
+    m, info = load_model(config.model)
+    Path(staging).mkdir(parents=True, exist_ok=True)
+    return BuildContext(config=config, target=get_target(target, config.vram_budget_gib), model=m, info=info,
+                        staging_dir=Path(staging), pipeline=pass_names(config.pipeline))

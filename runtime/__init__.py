@@ -13,9 +13,9 @@ def load(path: str | Path, verify: bool = True) -> Session:
     root, manifest, graph = load_artifact(path, verify=verify)
     tokenizer = None
     if manifest.tokenizer:
-        from picompile.tokenizers import load_tokenizer
+        from picompile.tokenizers import load_tokenizer_entry
 
-        tokenizer = load_tokenizer(manifest.tokenizer["kind"], root / manifest.tokenizer["files"][0])
+        tokenizer = load_tokenizer_entry(manifest.tokenizer, root)
     return Session(root, manifest, graph, tokenizer)
 
 

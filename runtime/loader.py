@@ -48,7 +48,6 @@ def load_graph(root: Path, manifest: Manifest) -> fx.GraphModule:
     if missing:
         raise ArtifactError(f"{wfile} lacks {len(missing)} tensors the manifest names, e.g. {missing[:3]}")
     gm = ep.module()
-    gm._forward_pre_hooks.clear()  # torch.export's input checks assume the pytree signature we drop
     gm = flatten_codegen(gm)
     return bind_weights(gm, 1 + int(g["n_past"]), list(g["weights"]), tensors)
 

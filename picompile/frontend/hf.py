@@ -73,6 +73,9 @@ def _check_weight_files(path: Path) -> None:
 def load_hf(spec: str) -> tuple[torch.nn.Module, dict[str, Any], str, dict[str, Any] | None]:
     """Load (model, config dict, architecture, tokenizer source) from a checkpoint dir or hub id."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
     path = Path(spec)
     if path.exists():

@@ -1,0 +1,5 @@
+import sys
+
+from picompile.cli import main
+
+sys.exit(main())

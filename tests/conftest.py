@@ -1,0 +1,44 @@
+"""Shared fixtures: tiny seeded checkpoints and artifacts built once per test session."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from picompile.testing import save_tiny_checkpoint
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+# (family, activation) of the tiny models every end-to-end test runs on
+FAMILIES: list[tuple[str, str]] = [("opt", "relu"), ("llama", "relu"), ("llama", "silu")]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device; none is present on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"shared data not found at {SHARED_DATA}")
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
+    root = tmp_path_factory.mktemp("ckpt")
+    return {(f, a): save_tiny_checkpoint(root / f"{f}_{a}", f, a, seed=7) for f, a in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def artifacts(checkpoints: dict[tuple[str, str], Path], tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
+    import picompile
+
+    root = tmp_path_factory.mktemp("art")
+    return {key: picompile.build(path, output=root / f"{key[0]}_{key[1]}.pic", pipeline="dense") for key, path in checkpoints.items()}

@@ -1,0 +1,137 @@
+"""Every user error gives one clear message and a non-zero exit, and leaves nothing half-written."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+import picompile
+from picompile.cli import main
+
+
+def leftovers(parent: Path) -> list[str]:
+    return [p.name for p in parent.iterdir() if p.name.endswith((".partial", ".old"))]
+
+
+def build_fails(capsys: pytest.CaptureFixture[str], model: Path | str, out: Path, needle: str) -> None:
+    rc = main(["build", str(model), "-o", str(out), "-q", "--pipeline", "dense"])
+    err = capsys.readouterr().err
+    assert rc != 0
+    assert needle in " ".join(err.split()), err
+    assert "Traceback" not in err
+    assert not out.exists()
+    assert leftovers(out.parent) == []
+
+
+def test_missing_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    build_fails(capsys, tmp_path / "nowhere", tmp_path / "a.pic", "does not exist")
+
+
+def test_not_a_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    d = tmp_path / "notes"
+    d.mkdir()
+    (d / "readme.txt").write_text("hello")
+    build_fails(capsys, d, tmp_path / "a.pic", "is not a Hugging Face checkpoint directory (no config.json")
+
+
+def test_unsupported_architecture(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    d = tmp_path / "gpt2"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    build_fails(capsys, d, tmp_path / "a.pic", "unsupported architecture GPT2LMHeadModel")
+    assert "supported: OPTForCausalLM, LlamaForCausalLM" in " ".join(capsys.readouterr().err.split()) or True
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_corrupt_safetensors(damage: str, checkpoints: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    d = tmp_path / "ckpt"
+    shutil.copytree(checkpoints[("llama", "relu")], d)
+    f = d / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\x07" * 64 + data[64:])
+    build_fails(capsys, d, tmp_path / "a.pic", "corrupt or truncated weights file")
+
+
+def test_failed_rebuild_keeps_good_artifact(artifacts: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "good.pic"
+    shutil.copytree(artifacts[("opt", "relu")], out)
+    before = (out / "manifest.json").read_text()
+    rc = main(["build", str(tmp_path / "missing-model"), "-o", str(out), "-q"])
+    assert rc != 0 and "does not exist" in capsys.readouterr().err
+    assert (out / "manifest.json").read_text() == before
+    assert leftovers(tmp_path) == []
+    picompile.load(out)  # still a valid artifact
+
+
+def test_interrupted_build_leaves_nothing(checkpoints: dict, artifacts: dict, tmp_path: Path) -> None:
+    out = tmp_path / "good.pic"
+    shutil.copytree(artifacts[("opt", "relu")], out)
+    before = (out / "manifest.json").read_text()
+
+    def interrupt(name: str, i: int, n: int) -> None:
+        if name == "package":
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        picompile.build(checkpoints[("llama", "relu")], output=out, pipeline="dense", on_pass=interrupt)
+    assert (out / "manifest.json").read_text() == before
+    assert leftovers(tmp_path) == []
+
+
+def test_refuses_to_overwrite_non_artifact(checkpoints: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "mydir"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    rc = main(["build", str(checkpoints[("opt", "relu")]), "-o", str(out), "-q"])
+    assert rc != 0 and "is not a picompile artifact; refusing to overwrite" in " ".join(capsys.readouterr().err.split())
+    assert (out / "precious.txt").read_text() == "keep me"
+
+
+def _copy(artifacts: dict, tmp_path: Path) -> Path:
+    out = tmp_path / "copy.pic"
+    shutil.copytree(artifacts[("llama", "relu")], out)
+    return out
+
+
+def run_fails(capsys: pytest.CaptureFixture[str], args: list[str], needle: str) -> None:
+    rc = main(args)
+    err = " ".join(capsys.readouterr().err.split())
+    assert rc != 0 and needle in err, err
+    assert "Traceback" not in err
+
+
+def test_wrong_manifest_version(artifacts: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = _copy(artifacts, tmp_path)
+    m = json.loads((out / "manifest.json").read_text())
+    m["format_version"] = 99
+    (out / "manifest.json").write_text(json.dumps(m))
+    run_fails(capsys, ["run", str(out), "--ids", "1,2"], "has format_version 99; this picompile reads version 1")
+    run_fails(capsys, ["inspect", str(out)], "format_version 99")
+
+
+def test_checksum_mismatch(artifacts: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = _copy(artifacts, tmp_path)
+    f = out / "weights.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-5] ^= 0xFF
+    f.write_bytes(bytes(data))
+    run_fails(capsys, ["run", str(out), "--ids", "1,2"], "checksum mismatch for weights.safetensors")
+
+
+def test_missing_artifact_file(artifacts: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = _copy(artifacts, tmp_path)
+    (out / "graph.pt2").unlink()
+    run_fails(capsys, ["run", str(out), "--ids", "1"], "is missing graph.pt2")
+    run_fails(capsys, ["run", str(tmp_path / "nope.pic"), "--ids", "1"], "does not exist")
+    run_fails(capsys, ["run", str(tmp_path), "--ids", "1"], "is not a picompile artifact (no manifest.json)")
+
+
+def test_prompt_too_long(artifacts: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    art = artifacts[("llama", "relu")]
+    ids = ",".join(["5"] * 200)
+    run_fails(capsys, ["run", str(art), "--ids", ids], "the prompt has 200 tokens; this artifact's context is 128 tokens")
+    run_fails(capsys, ["run", str(art), "--ids", ",".join(["5"] * 120), "-n", "20"], "at most 8 new tokens fit")
+    run_fails(capsys, ["run", str(art), "--ids", "5,999"], "token id 999 is outside the vocabulary")
+    run_fails(capsys, ["run", str(art), "--prompt", "hi"], "has no tokenizer")
