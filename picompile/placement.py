@@ -109,8 +109,8 @@ class PlacementProblem:
     budget_bytes: int  # GPU bytes for FFN neurons (see ffn_budget)
     batch_size: int = 64  # neurons per ILP variable
     min_neurons: int = 0  # per-layer minimum on the GPU (0 = off)
-    time_limit_s: float = 10.0
-    mip_rel_gap: float = 1e-6  # HiGHS relative optimality gap
+    time_limit_s: float = 10.0  # HiGHS wall-clock limit; the greedy answers if it finds nothing better
+    mip_rel_gap: float = 1e-4  # HiGHS relative optimality gap (0 = prove optimality; may be slow)
 
     def __post_init__(self) -> None:
         self.freqs = [np.asarray(f, dtype=np.float64).ravel() for f in self.freqs]
