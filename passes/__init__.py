@@ -1,5 +1,14 @@
 """picompile's passes, one per file; importing this package registers them all (see picompile.pipeline)."""
-from picompile.passes import canonicalize_ffn, capture, package  # noqa: F401
+from picompile.passes import (  # noqa: F401
+    canonicalize_ffn,
+    capture,
+    insert_predictors,
+    package,
+    place_neurons,
+    profile_activations,
+    split_ffn,
+    train_predictors,
+)
 from picompile.passes.registry import PASSES, Pass, register_pass
 
 __all__ = ["PASSES", "Pass", "register_pass"]

@@ -135,9 +135,9 @@ def canonicalize_ffn(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
     for i in sorted(matches):
         m = matches[i]
         w_up = get_tensor(gm, m.up.args[1])  # [n_neurons, d_model]
-        weights = {"up": str(m.up.args[1].target), "down": str(m.down.args[1].target)}
-        if m.gate is not None:
-            weights["gate"] = str(m.gate.args[1].target)
+        roles = {"up": (m.up, 1), "up_bias": (m.up, 2), "gate": (m.gate, 1), "down": (m.down, 1), "down_bias": (m.down, 2)}
+        weights = {role: str(n.args[pos].target) for role, (n, pos) in roles.items()
+                   if n is not None and len(n.args) > pos and n.args[pos] is not None}
         ctx.ffn_layers.append(FFNLayer(
             index=i, kind="gated" if m.gate is not None else "mlp", act=m.act,
             d_model=int(w_up.shape[1]), n_neurons=int(w_up.shape[0]), module=m.module, weights=weights,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -51,22 +51,28 @@ def build_from_config(
     config: BuildConfig,
     emit: Callable[[str], None] = print,
     on_pass: Optional[Callable[[str, int, int], None]] = None,
+    track: Optional[Callable[[Iterable[Any], str], Iterator[Any]]] = None,
 ) -> Path:
     # Check everything cheap before loading weights or touching the output.
     tgt = get_target(config.target, config.vram_budget_gib)
     names = pass_names(config.pipeline)
     check_print_after(names, config.print_after)
-    if config.predictor not in ("trained", "oracle", "none"):
-        raise PicompileError(f"--predictor must be trained, oracle or none, not {config.predictor!r}")
-    if config.max_seq_len is not None and config.max_seq_len < 2:
-        raise PicompileError(f"--max-seq-len must be at least 2, got {config.max_seq_len}")
+    config.validate()
     from picompile.frontend import load_model
 
     model, info = load_model(config.model)
     if config.max_seq_len is not None and config.max_seq_len > info.max_seq_len:
         raise PicompileError(f"--max-seq-len {config.max_seq_len} exceeds the model's {info.max_seq_len} positions")
+    tokenizer = None
+    if info.tokenizer is not None:
+        from picompile.tokenizers import load_tokenizer
+
+        tokenizer = load_tokenizer(info.tokenizer["kind"], Path(info.tokenizer["path"]))
     torch.manual_seed(config.seed)
     with staged_output(config.output) as staging:
-        ctx = BuildContext(config=config, target=tgt, model=model, info=info, staging_dir=staging, pipeline=names)
+        ctx = BuildContext(config=config, target=tgt, model=model, info=info, staging_dir=staging, pipeline=names,
+                           tokenizer=tokenizer)
+        if track is not None:
+            ctx.track = track
         run_pipeline(ctx, names, emit=emit, on_pass=on_pass)
     return Path(config.output)

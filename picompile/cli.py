@@ -6,7 +6,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from picompile.errors import PicompileError
 
@@ -34,7 +34,9 @@ def cmd_build(args: argparse.Namespace) -> int:
         predictor=args.predictor, max_seq_len=args.max_seq_len, seed=args.seed,
         calibration=Path(args.calibration) if args.calibration else None,
         print_after=_split_names(args.print_after), dump_ir=Path(args.dump_ir) if args.dump_ir else None,
-        progress=not args.quiet,
+        progress=not args.quiet, calibration_tokens=args.calibration_tokens, act_sparsity=args.act_sparsity,
+        recall_target=args.recall_target, predictor_budget=args.predictor_budget,
+        placement_batch=args.placement_batch, min_layer_neurons=args.min_layer_neurons,
     )
     err = _console()
     start = time.perf_counter()
@@ -50,7 +52,15 @@ def cmd_build(args: argparse.Namespace) -> int:
             sys.stdout.write(text + "\n")
             sys.stdout.flush()
 
-        out = build_from_config(config, emit=emit, on_pass=on_pass)
+        def track(items: Iterable[Any], description: str) -> Iterator[Any]:
+            items = list(items)
+            sub = progress.add_task(description, total=len(items))
+            for item in items:
+                yield item
+                progress.advance(sub)
+            progress.remove_task(sub)
+
+        out = build_from_config(config, emit=emit, on_pass=on_pass, track=track)
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     if not args.quiet:
         err.print(f"built [bold]{out}[/bold] for target {config.target} in {time.perf_counter() - start:.1f} s "
@@ -91,7 +101,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from picompile.report import inspect_artifact
 
-    return inspect_artifact(Path(args.artifact), as_json=args.json, graph=args.graph, verify=not args.no_verify)
+    return inspect_artifact(Path(args.artifact), as_json=args.json, graph=args.graph, verify=not args.no_verify,
+                            profile=args.profile, plot=Path(args.plot) if args.plot else None)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -112,7 +123,16 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--pipeline", default="default", choices=list(PIPELINES))
     b.add_argument("--predictor", default="trained", choices=["trained", "oracle", "none"])
     b.add_argument("--max-seq-len", type=int, help="context length of the artifact (default: the model's)")
-    b.add_argument("--calibration", help="text or token file for activation profiling")
+    b.add_argument("--calibration", help="text or token file (.npy/.json ids) for activation profiling")
+    b.add_argument("--calibration-tokens", type=int, default=4096, metavar="N", help="tokens to profile (default 4096)")
+    b.add_argument("--act-sparsity", type=float, default=0.5, metavar="F",
+                   help="non-ReLU FFNs: fraction of neurons counted inactive per layer (default 0.5)")
+    b.add_argument("--recall-target", type=float, default=0.99, metavar="F", help="predictor recall target (default 0.99)")
+    b.add_argument("--predictor-budget", type=float, default=0.1, metavar="F",
+                   help="predictor parameters as a fraction of FFN parameters (default 0.1)")
+    b.add_argument("--placement-batch", type=int, default=64, metavar="N", help="neurons per placement decision")
+    b.add_argument("--min-layer-neurons", type=int, default=0, metavar="N",
+                   help="a layer on the GPU holds at least N hot neurons (default 0 = off)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--print-after", action="append", metavar="PASS", help="print the graph after PASS (repeatable; 'all')")
     b.add_argument("--dump-ir", metavar="DIR", help="write the graph after every pass to DIR/NNN_PASS.txt")
@@ -135,6 +155,8 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("artifact")
     i.add_argument("--graph", action="store_true", help="print the transformed graph")
     i.add_argument("--json", action="store_true", help="machine-readable summary")
+    i.add_argument("--profile", action="store_true", help="per-layer activation sparsity and locality")
+    i.add_argument("--plot", metavar="FILE.png", help="draw per-layer activation-frequency curves")
     i.add_argument("--no-verify", action="store_true", help="skip the checksum check")
     i.set_defaults(fn=cmd_inspect)
     return p

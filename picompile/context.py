@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import torch
 
@@ -23,6 +23,7 @@ class FFNLayer:
     n_neurons: int
     module: str  # qualified module name in the source model, e.g. "model.layers.0.mlp"
     weights: dict[str, str] = field(default_factory=dict)  # role ("up", "down", …) -> graph attribute
+    stats: dict[str, Any] = field(default_factory=dict)  # what later passes measure: sparsity, n_hot, recall, …
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -33,7 +34,15 @@ class FFNLayer:
             "n_neurons": self.n_neurons,
             "module": self.module,
             "weights": dict(self.weights),
+            **self.stats,
         }
+
+
+T = TypeVar("T")
+
+
+def _no_progress(items: Iterable[T], description: str) -> Iterator[T]:
+    yield from items
 
 
 @dataclass
@@ -48,6 +57,11 @@ class BuildContext:
     pipeline: list[str] = field(default_factory=list)  # pass names this build runs
     ffn_layers: list[FFNLayer] = field(default_factory=list)
     manifest_extra: dict[str, Any] = field(default_factory=dict)  # sections later passes add
+    tokenizer: Any | None = None  # picompile.tokenizers.Tokenizer of the model, if it has one
+    calibration: dict[int, Any] = field(default_factory=dict)  # layer -> LayerCalibration (profile pass)
+    predictors: dict[int, Any] = field(default_factory=dict)  # layer -> Predictor (train-predictors)
+    placement: Any | None = None  # picompile.placement.Placement (place-neurons)
+    track: Callable[[Iterable[Any], str], Iterator[Any]] = _no_progress  # progress bar over a loop
     pass_times: dict[str, float] = field(default_factory=dict)
 
     @property

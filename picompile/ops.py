@@ -35,17 +35,111 @@ def ffn(
     b_down: Optional[Tensor],  # [d_model]
     act: str,
     layer: int,
+    mask: Optional[Tensor] = None,  # [..., n_neurons] bool: neurons to compute (None = all)
 ) -> Tensor:
-    """The canonical FFN: ``down(act(up x))`` or, gated, ``down(act(gate x) * up x)``."""
-    up = torch.nn.functional.linear(x, w_up, b_up)  # [..., n_neurons]
-    h = apply_act(up, act) if w_gate is None else apply_act(torch.nn.functional.linear(x, w_gate), act) * up
+    """The canonical FFN: ``down(act(up x))`` or, gated, ``down(act(gate x) * up x)``.
+
+    With a mask, neurons outside it count as inactive (their output is zero).
+    """
+    h = _hidden(x, w_up, b_up, w_gate, act)  # [..., n_neurons]
+    if mask is not None:
+        h = h * mask
     return torch.nn.functional.linear(h, w_down, b_down)  # [..., d_model]
 
 
 @ffn.register_fake
 def _ffn_fake(x: Tensor, w_up: Tensor, b_up: Optional[Tensor], w_gate: Optional[Tensor], w_down: Tensor,
-              b_down: Optional[Tensor], act: str, layer: int) -> Tensor:
+              b_down: Optional[Tensor], act: str, layer: int, mask: Optional[Tensor] = None) -> Tensor:
     return x.new_empty((*x.shape[:-1], w_down.shape[0]))
+
+
+def _hidden(x: Tensor, w_up: Tensor, b_up: Optional[Tensor], w_gate: Optional[Tensor], act: str) -> Tensor:
+    """Neuron outputs before the down projection: act(up x) or act(gate x) * up x."""
+    up = torch.nn.functional.linear(x, w_up, b_up)
+    return apply_act(up, act) if w_gate is None else apply_act(torch.nn.functional.linear(x, w_gate), act) * up
+
+
+@torch.library.custom_op("picompile::predict", mutates_args=())
+def predict(
+    x: Tensor,  # [..., d_model]
+    fc1: Tensor,  # [rank, d_model]
+    fc2: Tensor,  # [n_neurons, rank]
+    threshold: float,
+    layer: int,
+) -> Tensor:
+    """PowerInfer's predictor: ``fc2(relu(fc1 x)) > threshold`` → [..., n_neurons] bool mask."""
+    return torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(x, fc1)), fc2) > threshold
+
+
+@predict.register_fake
+def _predict_fake(x: Tensor, fc1: Tensor, fc2: Tensor, threshold: float, layer: int) -> Tensor:
+    return x.new_empty((*x.shape[:-1], fc2.shape[0]), dtype=torch.bool)
+
+
+@torch.library.custom_op("picompile::oracle_mask", mutates_args=())
+def oracle_mask(
+    x: Tensor,  # [..., d_model]
+    w: Tensor,  # [n_neurons, d_model]: the rows whose activation decides (gate for gated FFNs, else up)
+    b: Optional[Tensor],  # [n_neurons]
+    act: str,
+    threshold: float,
+    layer: int,
+) -> Tensor:
+    """The true activation mask, ``|act(w x + b)| > threshold`` (exact; computes every neuron)."""
+    return apply_act(torch.nn.functional.linear(x, w, b), act).abs() > threshold
+
+
+@oracle_mask.register_fake
+def _oracle_fake(x: Tensor, w: Tensor, b: Optional[Tensor], act: str, threshold: float, layer: int) -> Tensor:
+    return x.new_empty((*x.shape[:-1], w.shape[0]), dtype=torch.bool)
+
+
+@torch.library.custom_op("picompile::sparse_ffn", mutates_args=())
+def sparse_ffn(
+    x: Tensor,  # [..., d_model]
+    w_up: Tensor,  # [k, d_model]  this part's neuron rows, contiguous
+    b_up: Optional[Tensor],  # [k]
+    w_gate: Optional[Tensor],  # [k, d_model]
+    w_down_t: Tensor,  # [k, d_model]  down projection transposed: neuron-major
+    mask: Optional[Tensor],  # [..., k] bool; None = compute every row
+    act: str,
+    layer: int,
+    part: str,  # "hot" | "cold"
+    device: str,  # "gpu" | "cpu": where the placement put this part
+) -> Tensor:
+    """One part (hot or cold) of a split FFN: Σ_j h_j · w_down_t[j] over the active rows j (no down bias).
+
+    Reference implementation: one token gathers only the active rows; several tokens (prefill) run
+    dense with the mask applied, which is faster than gathering per token.
+    """
+    d = x.shape[-1]
+    if mask is not None and x.numel() == d and w_up.shape[0] > 0:
+        idx = mask.reshape(-1).nonzero().squeeze(1)  # [n_active]
+        xr = x.reshape(1, d)
+        h = _hidden(xr, w_up[idx], None if b_up is None else b_up[idx], None if w_gate is None else w_gate[idx], act)
+        return (h @ w_down_t[idx]).reshape(x.shape)  # [..., d_model]
+    h = _hidden(x, w_up, b_up, w_gate, act)  # [..., k]
+    if mask is not None:
+        h = h * mask
+    return h @ w_down_t
+
+
+@sparse_ffn.register_fake
+def _sparse_ffn_fake(x: Tensor, w_up: Tensor, b_up: Optional[Tensor], w_gate: Optional[Tensor], w_down_t: Tensor,
+                     mask: Optional[Tensor], act: str, layer: int, part: str, device: str) -> Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("picompile::merge", mutates_args=())
+def merge(hot: Tensor, cold: Tensor, bias: Optional[Tensor], layer: int) -> Tensor:
+    """Sum of the hot and cold partial FFN outputs (+ the down bias): [..., d_model]."""
+    out = hot + cold
+    return out if bias is None else out + bias
+
+
+@merge.register_fake
+def _merge_fake(hot: Tensor, cold: Tensor, bias: Optional[Tensor], layer: int) -> Tensor:
+    return torch.empty_like(hot)
 
 
 def is_picompile_op(target: object, name: str | None = None) -> bool:

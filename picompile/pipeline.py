@@ -19,7 +19,11 @@ from picompile.graph import format_graph, lint
 PIPELINES: dict[str, list[str]] = {
     # dense: the model as captured, FFNs in canonical form; the reference every sparse build is checked against
     "dense": ["capture", "canonicalize-ffn", "package"],
-    "default": ["capture", "canonicalize-ffn", "package"],
+    # PowerInfer: profile → predictors → placement → predictor nodes → hot/cold split
+    "default": [
+        "capture", "canonicalize-ffn", "profile-activations", "train-predictors", "place-neurons",
+        "insert-predictors", "split-ffn", "package",
+    ],
 }
 
 

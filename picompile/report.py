@@ -2,10 +2,15 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from picompile.artifact import Manifest, read_manifest
+from picompile.errors import ArtifactError, PicompileError
+from picompile.profile_stats import LayerProfile, summarize
 
 # per-layer keys later passes add to the manifest's layer objects, shown when present
 LAYER_COLUMNS: list[str] = ["n_hot", "n_cold", "predictor_rank", "recall", "sparsity"]
@@ -30,15 +35,67 @@ def summary_json(root: Path, m: Manifest) -> dict[str, Any]:
     }
 
 
-def inspect_artifact(root: Path, as_json: bool = False, graph: bool = False, verify: bool = True) -> int:
+def load_profiles(root: Path, m: Manifest) -> list[LayerProfile]:
+    """The activation profile the build recorded, one LayerProfile per FFN layer."""
+    section = m.sections.get("profile")
+    if not section:
+        raise ArtifactError(f"{root} has no activation profile (built with a pipeline without profile-activations)")
+    from safetensors.numpy import load_file
+
+    data = load_file(str(root / section["file"]))
+    n_tokens = int(data["n_tokens"][0])
+    return [LayerProfile(counts=data[f"layer{layer['index']}.counts"], n_tokens=n_tokens, name=layer["module"])
+            for layer in m.layers]
+
+
+def plot_profiles(profiles: list[LayerProfile], path: Path, title: str) -> None:
+    """Per-layer activation frequency against neuron rank, and the cumulative share of activations."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise PicompileError("--plot needs matplotlib: pip install 'picompile[plot]'") from None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    cmap = plt.get_cmap("viridis")
+    for i, prof in enumerate(profiles):
+        freq = np.sort(prof.frequency)[::-1]  # [n_neurons] descending
+        x = np.arange(1, freq.size + 1) / freq.size
+        color = cmap(i / max(len(profiles) - 1, 1))
+        ax1.plot(x, freq, color=color, label=f"layer {i}")
+        total = freq.sum()
+        ax2.plot(x, np.cumsum(freq) / total if total > 0 else np.zeros_like(freq), color=color)
+    ax1.set(xlabel="neurons, most frequent first (fraction)", ylabel="activation frequency", yscale="log",
+            title="activation frequency per neuron")
+    ax2.axhline(0.8, color="grey", lw=0.8, ls="--")
+    ax2.set(xlabel="neurons, most frequent first (fraction)", ylabel="share of all activations",
+            title="cumulative share (locality)")
+    ax1.legend(fontsize=7, ncol=2)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def inspect_artifact(root: Path, as_json: bool = False, graph: bool = False, verify: bool = True,
+                     profile: bool = False, plot: Path | None = None) -> int:
     m = read_manifest(root, verify=verify)
+    profiles = load_profiles(root, m) if profile or plot else []
+    if plot is not None:
+        plot_profiles(profiles, plot, f"{m.model['architecture']} from {Path(m.model['source']).name}: "
+                      f"{m.sections['profile']['n_tokens']} calibration tokens")
     if as_json:
-        print(json.dumps(summary_json(root, m), indent=2))
+        out = summary_json(root, m)
+        if profile:
+            out["profile_summary"] = summarize(profiles)
+        print(json.dumps(out, indent=2))
         return 0
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(highlight=False)
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 132)
     model = m.model
     console.print(f"[bold]{root}[/bold]  {m.format} v{m.format_version} (picompile {m.picompile_version}, {m.created})")
     console.print(f"model    {model['architecture']} ({model['family']}) from {model['source']}: "
@@ -50,7 +107,7 @@ def inspect_artifact(root: Path, as_json: bool = False, graph: bool = False, ver
                   f"{len(m.graph['weights'])} weight tensors")
     console.print(f"tokenizer {m.tokenizer['kind'] if m.tokenizer else 'none'}")
     extra = [c for c in LAYER_COLUMNS if any(c in layer for layer in m.layers)]
-    t = Table(title="FFN layers (one picompile.ffn op each)", title_justify="left")
+    t = Table(title="FFN layers", title_justify="left")
     for col in ["layer", "kind", "act", "d_model", "neurons", *extra]:
         t.add_column(col, justify="right")
     for layer in m.layers:
@@ -64,6 +121,20 @@ def inspect_artifact(root: Path, as_json: bool = False, graph: bool = False, ver
     for name, meta in m.files.items():
         f.add_row(name, f"{meta['bytes']:,}", meta["sha256"][:16] + "…")
     console.print(f)
+    if profiles:
+        p = Table(title=f"activation profile ({m.sections['profile']['active']}; corpus: "
+                        f"{m.sections['profile']['corpus']['source']}, {m.sections['profile']['n_tokens']} tokens)",
+                  title_justify="left")
+        for col in ["layer", "sparsity", "active/token", "locality 80%", "locality 50%", "dead"]:
+            p.add_column(col, justify="right")
+        for row in summarize(profiles):
+            p.add_row(str(row["layer"]), f"{row['sparsity']:.3f}", f"{row['mean_active']:.1f}",
+                      f"{row['locality']:.3f}", f"{row['locality_50']:.3f}", f"{row['dead_fraction']:.3f}")
+        console.print(p)
+        console.print("locality = fraction of neurons that carries that share of all activations "
+                      "(PowerInfer: 26% carry 80% in OPT-30B)")
+    if plot is not None:
+        console.print(f"wrote {plot}")
     if graph:
         from picompile.graph import format_graph
         from picompile.runtime.loader import load_graph

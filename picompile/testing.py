@@ -64,3 +64,19 @@ def context_for(model: str | Path, staging: str | Path, target: str = "cpu", **o
     Path(staging).mkdir(parents=True, exist_ok=True)
     return BuildContext(config=config, target=get_target(target, config.vram_budget_gib), model=m, info=info,
                         staging_dir=Path(staging), pipeline=pass_names(config.pipeline))
+
+
+def run_passes(ctx: "BuildContext", names: list[str], gm: "torch.fx.GraphModule | None" = None) -> "torch.fx.GraphModule":
+    """Run the named passes in order (with the pipeline's lint) — for testing passes alone."""
+    from picompile.pipeline import run_pipeline
+
+    if gm is None:
+        return run_pipeline(ctx, names, emit=lambda s: None)
+    import picompile.passes  # noqa: F401
+    from picompile.graph import lint
+    from picompile.passes.registry import PASSES
+
+    for name in names:
+        gm = PASSES[name].fn(gm, ctx)
+        lint(gm, name)
+    return gm

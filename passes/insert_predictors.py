@@ -1,0 +1,56 @@
+"""insert-predictors: ffn(x, …) → ffn(x, …, mask=predict(x, fc1, fc2, threshold))   (trained)
+                   or ffn(x, …, mask=oracle_mask(x, w_decider, …))                  (--predictor oracle);
+--predictor none leaves the graph dense.
+"""
+from __future__ import annotations
+
+from torch import fx
+
+import picompile.ops  # noqa: F401  (registers picompile:: ops)
+import torch
+from picompile.context import BuildContext
+from picompile.errors import PassError
+from picompile.passes.profile_activations import ffn_nodes
+from picompile.passes.registry import register_pass
+
+MASK_ARG = 8  # position of ``mask`` in picompile.ffn's arguments
+
+
+def add_buffer(gm: fx.GraphModule, name: str, tensor: torch.Tensor, before: fx.Node) -> fx.Node:
+    """Register ``tensor`` on the graph module and return a get_attr node for it."""
+    gm.register_buffer(name, tensor.detach().contiguous())
+    with gm.graph.inserting_before(before):
+        return gm.graph.get_attr(name)
+
+
+@register_pass("insert-predictors")
+def insert_predictors(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
+    mode = ctx.config.predictor
+    if mode == "none":
+        return gm
+    nodes = ffn_nodes(gm)
+    for layer in ctx.ffn_layers:
+        node = nodes[layer.index]
+        x = node.args[0]
+        if mode == "trained":
+            pred = ctx.predictors.get(layer.index)
+            if pred is None:
+                raise PassError(f"no trained predictor for layer {layer.index} (run train-predictors first)")
+            fc1 = add_buffer(gm, f"predictor{layer.index}_fc1", pred.fc1.weight, node)  # [rank, d_model]
+            fc2 = add_buffer(gm, f"predictor{layer.index}_fc2", pred.fc2.weight, node)  # [n_neurons, rank]
+            with gm.graph.inserting_before(node):
+                mask = gm.graph.call_function(torch.ops.picompile.predict.default,
+                                              (x, fc1, fc2, float(pred.threshold), layer.index))
+        else:
+            w_up, b_up, w_gate = node.args[1:4]
+            cal = ctx.calibration.get(layer.index)
+            threshold = 0.0 if cal is None else float(cal.threshold)
+            w, b = (w_gate, None) if w_gate is not None else (w_up, b_up)
+            with gm.graph.inserting_before(node):
+                mask = gm.graph.call_function(torch.ops.picompile.oracle_mask.default,
+                                              (x, w, b, layer.act, threshold, layer.index))
+        args = list(node.args) + [None] * (MASK_ARG + 1 - len(node.args))
+        args[MASK_ARG] = mask
+        node.args = tuple(args)
+    gm.recompile()
+    return gm

@@ -1,0 +1,94 @@
+"""profile-activations: graph unchanged; runs the calibration corpus through it and records, per FFN
+layer, each neuron's activation count (→ profile.safetensors) and the (input, active-mask) pairs
+train-predictors learns from. ReLU: active = output > 0; other activations: |act| above a per-layer
+threshold set to reach ``act_sparsity`` (CATS-style).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from torch import fx
+
+from picompile.calibration import load_calibration
+from picompile.context import BuildContext
+from picompile.graph import get_tensor
+from picompile.ops import apply_act, is_picompile_op
+from picompile.passes.registry import register_pass
+from picompile.profile_stats import LayerProfile
+
+PROFILE_FILE = "profile.safetensors"
+
+
+@dataclass
+class LayerCalibration:
+    """What profiling saw at one FFN: its inputs and which neurons were active."""
+
+    x: torch.Tensor  # [N, d_model] float32
+    mask: torch.Tensor  # [N, n_neurons] bool
+    threshold: float  # |act| > threshold counts as active (0.0 for ReLU)
+    profile: LayerProfile
+
+
+class _FFNInputs(fx.Interpreter):
+    """Runs the graph and keeps every picompile.ffn input ([tokens, d_model]) by layer."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.inputs: dict[int, list[torch.Tensor]] = {}
+
+    def call_function(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if is_picompile_op(target, "ffn"):
+            x = args[0]
+            self.inputs.setdefault(int(args[7]), []).append(x.reshape(-1, x.shape[-1]).detach().clone())
+        return super().call_function(target, args, kwargs)
+
+
+def ffn_nodes(gm: fx.GraphModule) -> dict[int, fx.Node]:
+    return {int(n.args[7]): n for n in gm.graph.nodes if n.op == "call_function" and is_picompile_op(n.target, "ffn")}
+
+
+def decider_weights(gm: fx.GraphModule, node: fx.Node) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The rows whose activation decides if a neuron fires: gate for gated FFNs, else up (with bias)."""
+    x, w_up, b_up, w_gate = node.args[:4]
+    if w_gate is not None:
+        return get_tensor(gm, w_gate), None
+    return get_tensor(gm, w_up), None if b_up is None else get_tensor(gm, b_up)
+
+
+@register_pass("profile-activations")
+def profile_activations(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
+    cfg = ctx.config
+    ids, corpus = load_calibration(cfg.calibration, ctx.tokenizer, ctx.info.vocab_size, cfg.calibration_tokens, cfg.seed)
+    window = min(ctx.max_seq_len, 256)
+    chunks = [ids[i : i + window] for i in range(0, ids.numel(), window)]
+    n_past = 2 * ctx.info.n_layers
+    recorder = _FFNInputs(gm)
+    with torch.no_grad():
+        for chunk in ctx.track(chunks, "profiling activations"):
+            empty = [torch.zeros(1, ctx.info.n_kv_heads, 0, ctx.info.head_dim) for _ in range(n_past)]
+            recorder.run(chunk.unsqueeze(0), *empty)
+    nodes = ffn_nodes(gm)
+    ctx.calibration = {}
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in ctx.ffn_layers:
+        node = nodes[layer.index]
+        x = torch.cat(recorder.inputs[layer.index])  # [N, d_model]
+        w, b = decider_weights(gm, node)
+        with torch.no_grad():
+            a = apply_act(torch.nn.functional.linear(x, w, b), layer.act).abs()  # [N, n_neurons]
+        threshold = 0.0 if layer.act == "relu" else float(torch.quantile(a.flatten()[: 1 << 24].float(), cfg.act_sparsity))
+        mask = a > threshold
+        prof = LayerProfile.from_mask(mask.numpy(), name=layer.module)
+        ctx.calibration[layer.index] = LayerCalibration(x=x, mask=mask, threshold=threshold, profile=prof)
+        layer.stats.update({"sparsity": prof.sparsity, "locality": prof.locality, "act_threshold": threshold})
+        tensors[f"layer{layer.index}.counts"] = torch.as_tensor(np.asarray(prof.counts, dtype=np.int64))
+    tensors["n_tokens"] = torch.tensor([int(ids.numel())], dtype=torch.int64)
+    save_file(tensors, str(ctx.staging_dir / PROFILE_FILE))
+    ctx.manifest_extra["profile"] = {"file": PROFILE_FILE, "corpus": corpus, "n_tokens": int(ids.numel()),
+                                     "window": window, "active": "relu > 0" if all(
+                                         layer.act == "relu" for layer in ctx.ffn_layers) else f"|act| > per-layer threshold ({cfg.act_sparsity:.0%} target sparsity for non-ReLU)"}
+    return gm

@@ -1,0 +1,87 @@
+"""split-ffn: ffn(x, …, mask) → merge(sparse_ffn(x, hot rows, mask[:n_hot], device=gpu),
+                                      sparse_ffn(x, cold rows, mask[n_hot:], device=cpu), b_down).
+Each part's rows are contiguous and neuron-major (down projection transposed); the mask producer's
+rows are permuted into the same hot-then-cold order so the mask is split by slicing.
+"""
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+import picompile.ops  # noqa: F401  (registers picompile:: ops)
+from picompile.context import BuildContext
+from picompile.errors import PassError
+from picompile.graph import get_tensor
+from picompile.ops import is_picompile_op
+from picompile.passes.insert_predictors import MASK_ARG, add_buffer
+from picompile.passes.profile_activations import ffn_nodes
+from picompile.passes.registry import register_pass
+
+aten = torch.ops.aten
+# mask-producing op -> positions of its per-neuron row tensors (permuted with the neurons)
+MASK_ROWS: dict[str, tuple[int, ...]] = {"predict": (2,), "oracle_mask": (1, 2)}
+
+
+def _permute_mask_producer(gm: fx.GraphModule, mask: fx.Node, perm: torch.Tensor, layer: int) -> None:
+    for op, positions in MASK_ROWS.items():
+        if mask.op == "call_function" and is_picompile_op(mask.target, op):
+            break
+    else:
+        raise PassError(f"layer {layer}: the FFN mask comes from {mask.target}, which split-ffn cannot permute "
+                        f"(expected one of {', '.join(MASK_ROWS)})")
+    args = list(mask.args)
+    for pos in positions:
+        if args[pos] is None:
+            continue
+        t = get_tensor(gm, args[pos])[perm]  # rows in hot-then-cold order
+        args[pos] = add_buffer(gm, f"ffn{layer}_{op}_rows{pos}", t, mask)
+    mask.args = tuple(args)
+
+
+@register_pass("split-ffn")
+def split_ffn(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
+    if ctx.placement is None:
+        raise PassError("split-ffn needs place-neurons to run first")
+    nodes = ffn_nodes(gm)
+    g = gm.graph
+    for layer, hot, cold in zip(ctx.ffn_layers, ctx.placement.hot, ctx.placement.cold):
+        node = nodes[layer.index]
+        x, w_up, b_up, w_gate, w_down, b_down, act, index = node.args[:8]
+        mask = node.args[MASK_ARG] if len(node.args) > MASK_ARG else None
+        hot_t, cold_t = torch.as_tensor(hot, dtype=torch.long), torch.as_tensor(cold, dtype=torch.long)
+        n_hot = int(hot_t.numel())
+        if mask is not None:
+            _permute_mask_producer(gm, mask, torch.cat([hot_t, cold_t]), layer.index)
+        up, down_t = get_tensor(gm, w_up), get_tensor(gm, w_down).t()  # [n, d], [n, d]
+        parts: list[fx.Node] = []
+        for part, idx, device, lo, hi in (("hot", hot_t, "gpu", 0, n_hot), ("cold", cold_t, "cpu", n_hot, None)):
+            def rows(t: torch.Tensor | None, role: str) -> fx.Node | None:
+                return None if t is None else add_buffer(gm, f"ffn{layer.index}_{part}_{role}", t[idx], node)
+
+            args = (
+                x,
+                rows(up, "up"),
+                rows(None if b_up is None else get_tensor(gm, b_up), "up_bias"),
+                rows(None if w_gate is None else get_tensor(gm, w_gate), "gate"),
+                rows(down_t, "down_t"),
+            )
+            with g.inserting_before(node):
+                part_mask = None if mask is None else g.call_function(aten.slice.Tensor, (mask, -1, lo, hi))
+                parts.append(g.call_function(torch.ops.picompile.sparse_ffn.default,
+                                             (*args, part_mask, act, index, part, device)))
+        with g.inserting_before(node):
+            merged = g.call_function(torch.ops.picompile.merge.default, (parts[0], parts[1], b_down, index))
+        merged.meta.update({k: v for k, v in node.meta.items() if k in ("val", "tensor_meta", "nn_module_stack")})
+        node.replace_all_uses_with(merged)
+        g.erase_node(node)
+    g.eliminate_dead_code()
+    _drop_unused_attrs(gm)
+    gm.recompile()
+    return gm
+
+
+def _drop_unused_attrs(gm: fx.GraphModule) -> None:
+    """Forget flat buffers no node reads any more (e.g. mask rows replaced by permuted copies)."""
+    used = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    for name in [n for n, _ in gm.named_buffers(recurse=False) if n not in used]:
+        delattr(gm, name)

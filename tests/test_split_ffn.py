@@ -1,0 +1,52 @@
+"""split-ffn alone: hot + cold + merge per layer with contiguous neuron-major rows; numerics unchanged."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from picompile.graph import count_ops, get_tensor
+from picompile.testing import context_for, run_passes
+
+PREFIX = ["capture", "canonicalize-ffn", "profile-activations", "train-predictors", "place-neurons", "insert-predictors"]
+
+
+def _decode(gm: torch.fx.GraphModule, ctx, ids: list[int]) -> torch.Tensor:
+    """Prefill ids[:-1], then one decode step: exercises both the batched and the one-token path."""
+    past = [torch.zeros(1, ctx.info.n_kv_heads, 0, ctx.info.head_dim) for _ in range(2 * ctx.info.n_layers)]
+    with torch.no_grad():
+        out = gm(torch.tensor([ids[:-1]]), *past)
+        step = gm(torch.tensor([ids[-1:]]), *out[1:])
+    return torch.cat([out[0][0], step[0][0]])
+
+
+@pytest.mark.parametrize("key,mode,target,budget", [
+    (("llama", "relu"), "trained", "rtx4090", 0.00045),  # both parts non-empty
+    (("opt", "relu"), "oracle", "cpu", None),  # hot part empty (k = 0)
+    (("llama", "silu"), "none", "rtx4090", None),  # everything hot, cold part empty, no mask
+])
+def test_split(key: tuple[str, str], mode: str, target: str, budget: float | None, checkpoints: dict, tmp_path: Path) -> None:
+    ctx = context_for(checkpoints[key], tmp_path, calibration_tokens=256, predictor=mode, target=target,
+                      vram_budget_gib=budget, placement_batch=8)
+    gm = run_passes(ctx, PREFIX)
+    ids = [7, 3, 99, 42, 5, 61]
+    before = _decode(gm, ctx, ids)
+    gm = run_passes(ctx, ["split-ffn"], gm)
+    ops = count_ops(gm)
+    L = ctx.info.n_layers
+    assert ops.get("picompile::ffn", 0) == 0
+    assert ops["picompile::sparse_ffn"] == 2 * L and ops["picompile::merge"] == L
+    parts = [n for n in gm.graph.nodes if n.target == torch.ops.picompile.sparse_ffn.default]
+    for layer in ctx.ffn_layers:
+        hot, cold = [n for n in parts if n.args[7] == layer.index]
+        assert (hot.args[8], hot.args[9], cold.args[8], cold.args[9]) == ("hot", "gpu", "cold", "cpu")
+        n_hot, n_cold = layer.stats["n_hot"], layer.stats["n_cold"]
+        assert get_tensor(gm, hot.args[1]).shape == (n_hot, layer.d_model)
+        assert get_tensor(gm, cold.args[4]).shape == (n_cold, layer.d_model)  # down, transposed: neuron-major
+        assert get_tensor(gm, cold.args[4]).is_contiguous()
+        assert (hot.args[5] is None) == (mode == "none")
+    if key == ("llama", "relu"):
+        assert 0 < ctx.ffn_layers[0].stats["n_hot"] < 192
+    after = _decode(gm, ctx, ids)
+    assert (after - before).abs().max().item() < 1e-4
