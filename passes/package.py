@@ -75,7 +75,11 @@ def package(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
     manifest = Manifest(
         model=ctx.info.to_json(),
         target=ctx.target.to_json(),
-        build={"max_seq_len": ctx.max_seq_len, "predictor": ctx.config.predictor, "seed": ctx.config.seed},
+        build={
+            "max_seq_len": ctx.max_seq_len, "predictor": ctx.config.predictor, "seed": ctx.config.seed,
+            "act_sparsity": ctx.config.act_sparsity, "recall_target": ctx.config.recall_target,
+            "pass_seconds": {name: round(t, 3) for name, t in ctx.pass_times.items()},
+        },
         pipeline=list(ctx.pipeline),
         graph={
             "file": GRAPH_FILE,

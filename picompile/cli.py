@@ -63,8 +63,11 @@ def cmd_build(args: argparse.Namespace) -> int:
         out = build_from_config(config, emit=emit, on_pass=on_pass, track=track)
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     if not args.quiet:
+        from picompile.artifact import read_manifest
+
+        times = read_manifest(out, verify=False).build.get("pass_seconds", {})
         err.print(f"built [bold]{out}[/bold] for target {config.target} in {time.perf_counter() - start:.1f} s "
-                  f"({size / 1e6:.2f} MB)")
+                  f"({size / 1e6:.2f} MB); passes: " + ", ".join(f"{k} {v:.1f}s" for k, v in times.items()))
     return 0
 
 
