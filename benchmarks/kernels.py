@@ -1,0 +1,162 @@
+"""Benchmark the TVM sparse FFN kernel against torch (dense matmuls, gather + matmul) and a copy bound.
+
+    python benchmarks/kernels.py [--d-model 4096] [--n-rows 16384] [--dtype float32] [--kind ffn_relu]
+
+For k = 1, 5, 10, 25, 50, 100 % of the rows (one token): every method is timed once per round, rounds
+are interleaved (so load from other processes hits all methods alike) and medians are reported.
+"bytes" are the weight rows the sparse kernel must read (k rows of w_up [+ w_gate] + w_down_t);
+"copy GB/s" is torch ``dst.copy_(src)`` on a buffer far larger than the caches, measured in the same
+rounds (read + write bytes / time); "bound" is bytes / copy bandwidth. Each round draws a new active
+set. The TVM kernel is called through ``SparseKernel.unchecked`` (no per-call Python checks); "tvm ms"
+is a call right after another kernel call (as in a decode step: one call per layer), "cold ms" the
+call before it, made after the other methods ran (TVM's idle worker threads must be woken). Not a test.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from picompile.kernels import (
+    KernelSpec,
+    aligned_empty,
+    build_kernel,
+    dense_ffn,
+    load_kernel,
+    num_threads,
+    set_num_threads,
+    validate_indices,
+)
+
+FRACTIONS: tuple[float, ...] = (0.01, 0.05, 0.10, 0.25, 0.50, 1.00)
+
+
+@dataclass
+class Timings:
+    samples: dict[str, list[float]] = field(default_factory=dict)
+
+    def add(self, name: str, seconds: float) -> None:
+        self.samples.setdefault(name, []).append(seconds)
+
+    def median(self, name: str) -> float:
+        return statistics.median(self.samples[name])
+
+
+def _time(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _randn_aligned(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    out = aligned_empty(shape, dtype)
+    for i in range(0, shape[0], 1024):  # chunked: no second full-size temporary
+        out[i : i + 1024] = (torch.randn(out[i : i + 1024].shape, generator=gen) * 0.02).to(dtype)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--d-model", type=int, default=4096)
+    ap.add_argument("--n-rows", type=int, default=16384)
+    ap.add_argument("--dtype", choices=["float32", "float16"], default="float32")
+    ap.add_argument("--kind", choices=["ffn_relu", "ffn_gated"], default="ffn_relu")
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--copy-mib", type=int, default=512, help="size of the copy-bandwidth buffer")
+    ap.add_argument("--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "picompile_kernel_cache")
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    d, n, wdt = args.d_model, args.n_rows, getattr(torch, args.dtype)
+    gated = args.kind == "ffn_gated"
+    spec = KernelSpec(args.kind, "silu" if gated else "relu", d, n, args.dtype, False, "llvm")
+    t0 = time.perf_counter()
+    path = build_kernel(spec, args.cache_dir)
+    kern = load_kernel(path, spec)
+    set_num_threads(args.threads)
+    print(f"kernel {spec.key()} ({time.perf_counter() - t0:.1f} s build/load), TVM threads {num_threads()}, "
+          f"torch threads {torch.get_num_threads()}")
+
+    gen = torch.Generator().manual_seed(0)
+    w_up = _randn_aligned((n, d), wdt, gen)  # [n_rows, d_model]
+    w_gate = _randn_aligned((n, d), wdt, gen) if gated else None  # [n_rows, d_model]
+    w_down_t = _randn_aligned((n, d), wdt, gen)  # [n_rows, d_model]
+    w_up_f, w_gate_f, w_down_f = w_up.float(), (w_gate.float() if gated else None), w_down_t.float()
+    x = torch.randn(d, generator=gen)  # [d_model]
+    y = aligned_empty(d)  # [d_model]
+    copy_src = torch.randn(args.copy_mib * 2**18, generator=gen)  # float32: copy_mib MiB
+    copy_dst = torch.empty_like(copy_src)
+    copy_dst.copy_(copy_src)  # fault the pages in
+    act = torch.nn.functional.silu if gated else torch.relu
+
+    def dense() -> torch.Tensor:  # the whole FFN with torch matmuls (what the sparse kernel replaces)
+        up = torch.mv(w_up_f, x)
+        h = act(torch.mv(w_gate_f, x)) * up if gated else act(up)
+        return torch.mv(w_down_f.t(), h)
+
+    # a fresh active set every round (as from token to token): rows read in one round are not
+    # still in the (here 300 MB) last-level cache in the next
+    idxs: dict[float, list[torch.Tensor]] = {}
+    for frac in FRACTIONS:
+        k = max(1, round(frac * n))
+        idxs[frac] = [
+            torch.randperm(n, generator=gen)[:k].sort().values.to(torch.int32).contiguous()
+            for _ in range(2 * args.repeats + 1)
+        ]
+        for idx in idxs[frac]:
+            validate_indices(idx, n)
+    # correctness spot check at 10 %
+    ref = dense_ffn(x, w_up, w_gate, None, w_down_t, idxs[0.10][0], spec.act, torch.float64)
+    kern(x, w_up, w_gate, None, w_down_t, idxs[0.10][0], y)
+    err = float((y.double() - ref).abs().max() / ref.abs().max())
+    print(f"max relative error at 10 %: {err:.2e}")
+
+    tm = Timings()
+    for name, fn in [("copy", lambda: copy_dst.copy_(copy_src)), ("dense", dense)]:
+        fn()  # warm up
+    for frac in FRACTIONS:
+        kern.unchecked(x, w_up, w_gate, None, w_down_t, idxs[frac][0], y)
+    for r in range(1, args.repeats + 1):
+        tm.add("copy", _time(lambda: copy_dst.copy_(copy_src)))
+        tm.add("dense", _time(dense))
+        for frac in FRACTIONS:
+            # "cold": the first call after other work (TVM's worker threads have gone to sleep);
+            # "warm": the next call right after it, as in a decode step (one call per layer)
+            cold, idx = idxs[frac][2 * r - 1], idxs[frac][2 * r]
+            tm.add(f"cold{frac}", _time(lambda: kern.unchecked(x, w_up, w_gate, None, w_down_t, cold, y)))
+            tm.add(f"tvm{frac}", _time(lambda: kern.unchecked(x, w_up, w_gate, None, w_down_t, idx, y)))
+            tm.add(f"gather{frac}", _time(lambda: dense_ffn(x, w_up, w_gate, None, w_down_t, idx, spec.act)))
+
+    wbytes = torch.empty((), dtype=wdt).element_size()
+    copy_gbs = 2 * copy_src.numel() * 4 / tm.median("copy") / 1e9
+    copy_best = 2 * copy_src.numel() * 4 / min(tm.samples["copy"]) / 1e9
+    dense_ms = tm.median("dense") * 1e3
+    n_mats = 3 if gated else 2
+    print(f"d_model {d}, n_rows {n}, {args.kind}, weights {args.dtype}, {args.repeats} interleaved rounds (medians)")
+    print(f"copy bandwidth {copy_gbs:.1f} GB/s (best round {copy_best:.1f}); dense torch FFN {dense_ms:.2f} ms "
+          f"({n_mats * n * d * 4 / (dense_ms / 1e3) / 1e9:.1f} GB/s of fp32 weights)")
+    header = f"{'k %':>5} {'k':>6} {'MB':>7} {'tvm ms':>8} {'GB/s':>6} {'%copy':>6} {'bound ms':>8} " \
+             f"{'cold ms':>8} {'dense ms':>8} {'x dense':>7} {'gath ms':>8} {'x gath':>6}"
+    print(header)
+    print("-" * len(header))
+    for frac in FRACTIONS:
+        k = idxs[frac][0].numel()
+        nbytes = n_mats * k * d * wbytes
+        t_tvm = tm.median(f"tvm{frac}")
+        t_gather = tm.median(f"gather{frac}")
+        gbs = nbytes / t_tvm / 1e9
+        print(f"{frac * 100:5.0f} {k:6d} {nbytes / 1e6:7.1f} {t_tvm * 1e3:8.3f} {gbs:6.1f} {gbs / copy_gbs * 100:5.0f}% "
+              f"{nbytes / (copy_gbs * 1e9) * 1e3:8.3f} {tm.median(f'cold{frac}') * 1e3:8.3f} "
+              f"{dense_ms:8.2f} {dense_ms / (t_tvm * 1e3):7.1f} "
+              f"{t_gather * 1e3:8.2f} {t_gather / t_tvm:6.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""``build_kernel``: compile a ``KernelSpec`` with TVM, or reuse the library already in the cache.
+
+Cache layout (one flat directory, one machine): ``<key>.so`` (the exported library) and
+``<key>.json`` (spec, ABI version, TVM version, compile target incl. host CPU, build time),
+plus for CUDA ``<key>.cu`` (TVM's generated source) and ``<key>.cubin`` (nvcc's output, also
+embedded in the ``.so``). A cached entry is reused when its metadata matches; it is rebuilt when the
+metadata is missing or names another ABI version, TVM version or host CPU. Writes go to temporary
+files renamed into place, under an ``flock`` per key, so concurrent builders never see half a file.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from .spec import KERNEL_ABI_VERSION, KernelSpec
+
+_build_count: int = 0  # compilations done by this process (tests check cache hits with it)
+
+
+def build_count() -> int:
+    """How many kernels this process has actually compiled (cache hits do not count)."""
+    return _build_count
+
+
+@contextmanager
+def _locked(lock_path: Path) -> Iterator[None]:
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _expected_meta(spec: KernelSpec) -> dict[str, Any]:
+    """Fields a cached entry must match (computed with TVM imported: the build path only)."""
+    import tvm
+
+    meta: dict[str, Any] = {
+        "key": spec.key(),
+        "abi": KERNEL_ABI_VERSION,
+        "spec": spec.to_json(),
+        "tvm_version": str(tvm.__version__),
+    }
+    if spec.is_cuda:
+        from .cuda import cuda_target_str
+
+        meta["compile_target"] = cuda_target_str(spec)
+    else:
+        from .cpu import build_cores, host_target
+
+        meta["compile_target"] = str(host_target())
+        meta["cores"] = build_cores()  # the y-chunking is sized for this many cores
+    return meta
+
+
+def _cache_hit(lib_path: Path, meta_path: Path, expected: dict[str, Any]) -> bool:
+    if not (lib_path.exists() and meta_path.exists()):
+        return False
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return all(meta.get(k) == v for k, v in expected.items())
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+def build_kernel(spec: KernelSpec, cache_dir: Path) -> Path:
+    """Compile ``spec`` (or reuse ``cache_dir/<key>.so``) and return the library path.
+
+    The library exports ``<key>`` (decode, x ``[d_model]``) and, on the CPU, ``<key>_batch``
+    (x ``[t, d_model]``). Load it with ``load_kernel(path, spec)``.
+    """
+    global _build_count
+    cache_dir = Path(cache_dir)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    key = spec.key()
+    lib_path = cache_dir / f"{key}.so"
+    meta_path = cache_dir / f"{key}.json"
+    expected = _expected_meta(spec)
+    if _cache_hit(lib_path, meta_path, expected):
+        return lib_path
+    with _locked(cache_dir / f"{key}.lock"):
+        if _cache_hit(lib_path, meta_path, expected):  # another process built it meanwhile
+            return lib_path
+        t0 = time.perf_counter()
+        tmp_lib = cache_dir / f".{key}.{os.getpid()}.so"
+        if spec.is_cuda:
+            from .cuda import compile_cuda
+
+            extra = compile_cuda(spec, tmp_lib, cache_dir)
+        else:
+            extra = _compile_cpu(spec, tmp_lib)
+        os.replace(tmp_lib, lib_path)
+        meta = {**expected, **extra, "build_seconds": round(time.perf_counter() - t0, 3), "built_at": time.time()}
+        _atomic_write_text(meta_path, json.dumps(meta, indent=1, sort_keys=True))
+        _build_count += 1
+    return lib_path
+
+
+def _compile_cpu(spec: KernelSpec, out: Path) -> dict[str, Any]:
+    """Decode + batched PrimFuncs → one LLVM module → ``out`` (.so)."""
+    import tvm
+
+    from . import cpu
+    from .compute import describe, describe_partitioned
+
+    key = spec.key()
+    funcs = {}
+    for batched in (False, True):
+        if spec.kind in ("ffn_relu", "ffn_gated"):
+            desc = describe_partitioned(spec, cpu.build_cores(), batched=batched)
+        else:
+            desc = describe(spec, batched=batched)
+        name = key + ("_batch" if batched else "")
+        funcs[name] = cpu.as_named(cpu.schedule(desc, spec), name)
+    mod = tvm.IRModule(funcs)
+    lib = tvm.compile(mod, target=cpu.host_target())
+    lib.export_library(str(out))
+    return {"batched": True, "arg_names": describe(spec).arg_names, "functions": sorted(funcs)}

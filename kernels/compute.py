@@ -1,0 +1,195 @@
+"""Target-independent kernel descriptions (TVM TE), turned into schedulable TensorIR PrimFuncs.
+
+Every kernel is described once here; ``cpu.py`` and ``cuda.py`` schedule the same PrimFunc.
+Imports TVM, so only the build path (``cache.build_kernel``) imports this module.
+
+Blocks (names the schedules rely on):
+
+* ``up`` / ``gate``: ``[t?, k]`` float32 dot products of the selected rows with ``x`` (reduction over d)
+* ``h``:             ``[t?, k]`` activation (and gate product, bias) — the sparse hidden vector
+* ``y``:             ``[t?, d]`` row-axpy over the k selected rows of ``w_down_t`` (reduction over k)
+
+``batched=True`` adds a symbolic leading token axis ``t`` to ``x``/``h``/``y`` (one ``idx`` for all
+tokens, i.e. the union of their active sets); ``k`` and ``t`` are symbolic in every kernel.
+
+``describe_partitioned`` is the fused FFN in the form the CPU schedule uses: the k active rows are cut
+into ``P`` contiguous parts (one per core); part ``p`` computes ``h`` for its rows and its own partial
+``y_part[p] = sum over its rows h[j] * w_down_t[idx[j]]``; ``y = sum_p y_part[p]``. Each core thus
+reads whole rows of w_up (w_gate) and w_down_t, needs no other core's ``h`` (one parallel region
+per call instead of two) and writes no shared output. Blocks: ``up``/``gate``/``h`` ``[P, S, t?]``
+(S = ceil(k / P)), ``y_part`` ``[P, t?, d]``, ``y`` ``[t?, d]``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm import te, tirx
+
+from .spec import KernelSpec
+
+
+@dataclass
+class KernelDesc:
+    """An unscheduled kernel: the PrimFunc and the argument names in call order."""
+
+    func: tirx.PrimFunc
+    arg_names: list[str]
+    batched: bool
+    partitions: int | None = None  # set for the row-partitioned fused form (``describe_partitioned``)
+
+
+def arg_names(spec: KernelSpec) -> list[str]:
+    """PrimFunc argument order for a spec (``None``-able Python arguments are simply absent)."""
+    names: list[str] = []
+    if spec.has_up:
+        names += ["x", "w_up"]
+        if spec.gated:
+            names.append("w_gate")
+        if spec.has_bias:
+            names.append("b_up")
+    else:
+        names.append("h")
+    if spec.has_down:
+        names.append("w_down_t")
+    names.append("idx")
+    names.append("y" if spec.has_down else "h")
+    return names
+
+
+def _activation(act: str, v: tirx.PrimExpr) -> tirx.PrimExpr:
+    if act == "relu":
+        return tirx.max(v, tirx.const(0.0, "float32"))
+    if act == "silu":
+        return v * tirx.sigmoid(v)
+    return v
+
+
+def describe(spec: KernelSpec, batched: bool = False) -> KernelDesc:
+    """TE description of ``spec`` → PrimFunc with symbolic ``k`` (and ``t`` when batched)."""
+    d, n, wdt = spec.d_model, spec.n_rows, spec.weight_dtype
+    f32 = "float32"
+    k = te.var("k")
+    t = te.var("t") if batched else None
+    tok = (t,) if batched else ()
+
+    tensors: dict[str, te.Tensor] = {}
+    idx = te.placeholder((k,), "int32", name="idx")  # [k]
+    tensors["idx"] = idx
+
+    h: te.Tensor | None = None
+    if spec.has_up:
+        x = te.placeholder((*tok, d), f32, name="x")  # [t?, d_model]
+        w_up = te.placeholder((n, d), wdt, name="w_up")  # [n_rows, d_model]
+        tensors.update(x=x, w_up=w_up)
+
+        def _dot(w: te.Tensor, name: str) -> te.Tensor:
+            r = te.reduce_axis((0, d), name="r")
+            return te.compute(
+                (*tok, k),
+                lambda *ij: te.sum(w[idx[ij[-1]], r].astype(f32) * x[(*ij[:-1], r)], axis=r),
+                name=name,
+            )  # [t?, k]
+
+        up = _dot(w_up, "up")
+        gate = None
+        if spec.gated:
+            w_gate = te.placeholder((n, d), wdt, name="w_gate")  # [n_rows, d_model]
+            tensors["w_gate"] = w_gate
+            gate = _dot(w_gate, "gate")
+        b_up = None
+        if spec.has_bias:
+            b_up = te.placeholder((n,), wdt, name="b_up")  # [n_rows]
+            tensors["b_up"] = b_up
+
+        def _h(*ij: tirx.Var) -> tirx.PrimExpr:
+            j = ij[-1]
+            u = up[ij]
+            if b_up is not None:
+                u = u + b_up[idx[j]].astype(f32)
+            if gate is not None:
+                return _activation(spec.act, gate[ij]) * u
+            return _activation(spec.act, u)
+
+        h = te.compute((*tok, k), _h, name="h")  # [t?, k]
+    else:
+        h = te.placeholder((*tok, k), f32, name="h")  # [t?, k]
+        tensors["h"] = h
+
+    if spec.has_down:
+        w_down_t = te.placeholder((n, d), wdt, name="w_down_t")  # [n_rows, d_model]
+        tensors["w_down_t"] = w_down_t
+        rj = te.reduce_axis((0, k), name="rj")
+        y = te.compute(
+            (*tok, d),
+            lambda *ti: te.sum(h[(*ti[:-1], rj)] * w_down_t[idx[rj], ti[-1]].astype(f32), axis=rj),
+            name="y",
+        )  # [t?, d_model]
+        out = y
+    else:
+        out = h
+
+    names = arg_names(spec)  # the output is always last
+    func = te.create_prim_func([tensors[nm] for nm in names[:-1]] + [out])
+    return KernelDesc(func=func, arg_names=names, batched=batched)
+
+
+def describe_partitioned(spec: KernelSpec, partitions: int, batched: bool = False) -> KernelDesc:
+    """Fused FFN (``ffn_relu`` / ``ffn_gated``) with the active rows split into ``partitions`` parts."""
+    if spec.kind not in ("ffn_relu", "ffn_gated"):
+        raise ValueError(f"describe_partitioned is for fused FFN kinds, not {spec.kind!r}")
+    d, n, wdt, f32, P = spec.d_model, spec.n_rows, spec.weight_dtype, "float32", partitions
+    k = te.var("k")
+    t = te.var("t") if batched else None
+    tok = (t,) if batched else ()
+    S = (k + P - 1) // P  # rows per part (the last part may be short)
+    idx = te.placeholder((k,), "int32", name="idx")  # [k]
+    x = te.placeholder((*tok, d), f32, name="x")  # [t?, d_model]
+    w_up = te.placeholder((n, d), wdt, name="w_up")  # [n_rows, d_model]
+    w_down_t = te.placeholder((n, d), wdt, name="w_down_t")  # [n_rows, d_model]
+    tensors: dict[str, te.Tensor] = {"idx": idx, "x": x, "w_up": w_up, "w_down_t": w_down_t}
+
+    def row(p: tirx.PrimExpr, jj: tirx.PrimExpr) -> tirx.PrimExpr:
+        # Slots past k (the short last part) re-read row idx[k-1] and get h = 0 below. TE's
+        # ``te.sum(..., where=...)`` would be the natural guard, but create_prim_func drops it
+        # (TVM 0.27), so the index is clamped instead: every load stays in bounds.
+        return idx[tirx.min(p * S + jj, k - 1)]
+
+    def _dot(w: te.Tensor, name: str) -> te.Tensor:
+        r = te.reduce_axis((0, d), name="r")
+        return te.compute(
+            (P, S, *tok),
+            lambda p, jj, *tt: te.sum(w[row(p, jj), r].astype(f32) * x[(*tt, r)], axis=r),
+            name=name,
+        )  # [P, S, t?]
+
+    up = _dot(w_up, "up")
+    gate = None
+    if spec.gated:
+        w_gate = te.placeholder((n, d), wdt, name="w_gate")  # [n_rows, d_model]
+        tensors["w_gate"] = w_gate
+        gate = _dot(w_gate, "gate")
+    b_up = None
+    if spec.has_bias:
+        b_up = te.placeholder((n,), wdt, name="b_up")  # [n_rows]
+        tensors["b_up"] = b_up
+    zero = tirx.const(0.0, f32)
+
+    def _h(p: tirx.Var, jj: tirx.Var, *tt: tirx.Var) -> tirx.PrimExpr:
+        u = up[(p, jj, *tt)]
+        if b_up is not None:
+            u = u + b_up[row(p, jj)].astype(f32)
+        v = _activation(spec.act, gate[(p, jj, *tt)]) * u if gate is not None else _activation(spec.act, u)
+        return tirx.if_then_else(p * S + jj < k, v, zero)
+
+    h = te.compute((P, S, *tok), _h, name="h")  # [P, S, t?]
+    rj = te.reduce_axis((0, S), name="rj")
+    y_part = te.compute(
+        (P, *tok, d),
+        lambda p, *ti: te.sum(h[(p, rj, *ti[:-1])] * w_down_t[row(p, rj), ti[-1]].astype(f32), axis=rj),
+        name="y_part",
+    )  # [P, t?, d_model]
+    rp = te.reduce_axis((0, P), name="rp")
+    y = te.compute((*tok, d), lambda *ti: te.sum(y_part[(rp, *ti)], axis=rp), name="y")  # [t?, d_model]
+    names = arg_names(spec)
+    func = te.create_prim_func([tensors[nm] for nm in names[:-1]] + [y])
+    return KernelDesc(func=func, arg_names=names, batched=batched, partitions=P)

@@ -1,0 +1,124 @@
+"""What a sparse FFN kernel computes: the ``KernelSpec`` value type and its stable key.
+
+Nothing here imports TVM: specs are built and hashed by the planner without the compiler.
+
+Operator contract (PowerInfer's, decode = one token), weights neuron-major:
+
+* ``w_up``     ``[n_rows, d_model]``  fc1 / up_proj rows;   optional ``b_up`` ``[n_rows]``
+* ``w_gate``   ``[n_rows, d_model]``  gate_proj rows (gated FFN only)
+* ``w_down_t`` ``[n_rows, d_model]``  the down projection transposed: neuron j's output column is row j
+* ``idx``      int32 ``[k]``          the active neuron list, any k >= 0 (k is symbolic in the kernel)
+
+``h[j] = act(w_up[idx[j]] . x + b_up[idx[j]])``                      (kind ``ffn_relu`` / ``up``)
+``h[j] = act(w_gate[idx[j]] . x) * (w_up[idx[j]] . x + b_up[idx[j]])`` (kind ``ffn_gated`` / ``up_gated``)
+``y    = sum_j h[j] * w_down_t[idx[j]]``                               (kind ``ffn_*`` / ``down``)
+
+Weights (``b_up`` included) are stored in ``weight_dtype``; ``x``, ``h`` and ``y`` are always float32
+and all accumulation is in float32. ``b_down`` is added by the caller, never by the kernel.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+KernelKind = Literal["ffn_relu", "ffn_gated", "up", "up_gated", "down"]
+Activation = Literal["relu", "silu", "none"]
+WeightDType = Literal["float32", "float16"]
+
+KINDS: tuple[str, ...] = ("ffn_relu", "ffn_gated", "up", "up_gated", "down")
+ACTS: tuple[str, ...] = ("relu", "silu", "none")
+WEIGHT_DTYPES: tuple[str, ...] = ("float32", "float16")
+CUDA_ARCHS: tuple[str, ...] = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90")
+
+# Bump whenever the generated code changes (compute description, schedule, argument order):
+# it is part of every key, so stale cached libraries are never reused.
+KERNEL_ABI_VERSION: int = 5
+
+_TARGET_RE = re.compile(r"^(llvm|cuda:sm_\d+a?)$")
+
+
+class KernelSpecError(ValueError):
+    """A ``KernelSpec`` field is out of range or inconsistent with the others."""
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One compiled kernel: operator kind, activation, shapes, weight dtype, bias and target.
+
+    ``kind``: ``ffn_relu`` (up -> act -> down, fused), ``ffn_gated`` (act(gate) * up -> down, fused),
+    ``up`` / ``up_gated`` (only the sparse up/gate part, writes ``h[k]``), ``down`` (row-axpy, writes ``y[d]``).
+    ``target``: ``"llvm"`` (the host CPU; the exact CPU is named when compiling) or ``"cuda:sm_89"`` etc.
+    """
+
+    kind: KernelKind
+    act: Activation
+    d_model: int
+    n_rows: int
+    weight_dtype: WeightDType
+    has_bias: bool
+    target: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise KernelSpecError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        if self.act not in ACTS:
+            raise KernelSpecError(f"act must be one of {ACTS}, got {self.act!r}")
+        if self.kind == "down" and self.act != "none":
+            raise KernelSpecError("kind 'down' applies no activation: use act='none'")
+        if self.kind == "down" and self.has_bias:
+            raise KernelSpecError("kind 'down' has no bias (b_down is added by the caller)")
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise KernelSpecError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {self.weight_dtype!r}")
+        for name in ("d_model", "n_rows"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise KernelSpecError(f"{name} must be a positive int, got {value!r}")
+        if self.n_rows >= 2**31 or self.n_rows * self.d_model >= 2**31:
+            raise KernelSpecError("n_rows * d_model must stay below 2**31 (int32 indexing)")
+        if not isinstance(self.has_bias, bool):
+            raise KernelSpecError(f"has_bias must be a bool, got {self.has_bias!r}")
+        if not isinstance(self.target, str) or not _TARGET_RE.match(self.target):
+            raise KernelSpecError(f"target must be 'llvm' or 'cuda:sm_XX', got {self.target!r}")
+
+    # -- derived facts ---------------------------------------------------------------------------
+    @property
+    def is_cuda(self) -> bool:
+        return self.target.startswith("cuda:")
+
+    @property
+    def cuda_arch(self) -> str | None:
+        """``"sm_89"`` for ``"cuda:sm_89"``; None for the CPU."""
+        return self.target.split(":", 1)[1] if self.is_cuda else None
+
+    @property
+    def gated(self) -> bool:
+        return self.kind in ("ffn_gated", "up_gated")
+
+    @property
+    def has_up(self) -> bool:
+        return self.kind != "down"
+
+    @property
+    def has_down(self) -> bool:
+        return self.kind in ("ffn_relu", "ffn_gated", "down")
+
+    def key(self) -> str:
+        """Stable hash of every field plus ``KERNEL_ABI_VERSION``: cache file stem and kernel name.
+
+        Always starts with a letter (it is also a C symbol name). Independent of the Python process,
+        machine and dict order. The host CPU model is *not* part of it: the cache directory belongs to
+        one machine (``build_kernel`` records the CPU it compiled for and rebuilds on a mismatch).
+        """
+        payload = json.dumps({"abi": KERNEL_ABI_VERSION, **asdict(self)}, sort_keys=True)
+        digest = hashlib.sha256(payload.encode()).hexdigest()[:20]
+        return f"pi_{self.kind}_{digest}"
+
+    def to_json(self) -> dict[str, object]:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(data: dict[str, object]) -> "KernelSpec":
+        return KernelSpec(**data)  # type: ignore[arg-type]
