@@ -3,6 +3,7 @@ from picompile.passes import (  # noqa: F401
     canonicalize_ffn,
     capture,
     insert_predictors,
+    lower_tvm,
     package,
     place_neurons,
     profile_activations,

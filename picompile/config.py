@@ -8,6 +8,15 @@ from typing import Literal
 PredictorMode = Literal["trained", "oracle", "none"]
 
 
+def default_cache_dir() -> Path:
+    """$PICOMPILE_CACHE_DIR, else $XDG_CACHE_HOME/picompile, else ~/.cache/picompile (read when a config is made)."""
+    import os
+
+    if os.environ.get("PICOMPILE_CACHE_DIR"):
+        return Path(os.environ["PICOMPILE_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "picompile"
+
+
 @dataclass
 class BuildConfig:
     """Options of ``picompile build`` (CLI flags map one to one)."""
@@ -27,6 +36,7 @@ class BuildConfig:
     predictor_epochs: int = 20
     placement_batch: int = 64  # neurons per placement decision (PowerInfer: 64 in the paper, 256 in code)
     min_layer_neurons: int = 0  # a layer using the GPU holds at least this many hot neurons (0 = off)
+    kernel_cache: Path = field(default_factory=lambda: default_cache_dir() / "kernels")  # compiled TVM kernels
     seed: int = 0
     print_after: list[str] = field(default_factory=list)  # pass names, or "all"
     dump_ir: Path | None = None  # one readable file per pass

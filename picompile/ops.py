@@ -148,3 +148,61 @@ def is_picompile_op(target: object, name: str | None = None) -> bool:
         return False
     ns, _, op = target.name().partition("::")
     return ns == "picompile" and (name is None or op.split(".")[0] == name)
+
+
+# Loaded TVM kernels by key; the runtime fills this from the artifact's manifest ("kernels").
+KERNEL_TABLE: dict[str, object] = {}
+_ALL_ROWS: dict[int, Tensor] = {}
+
+
+def _all_rows(n: int) -> Tensor:
+    if n not in _ALL_ROWS:
+        _ALL_ROWS[n] = torch.arange(n, dtype=torch.int32)
+    return _ALL_ROWS[n]
+
+
+@torch.library.custom_op("picompile::tvm_sparse_ffn", mutates_args=())
+def tvm_sparse_ffn(
+    x: Tensor,  # [..., d_model]
+    w_up: Tensor,  # [k, d_model]
+    b_up: Optional[Tensor],  # [k]
+    w_gate: Optional[Tensor],  # [k, d_model]
+    w_down_t: Tensor,  # [k, d_model]
+    mask: Optional[Tensor],  # [..., k] bool
+    act: str,
+    layer: int,
+    part: str,
+    device: str,
+    kernel: str,  # key of the CPU (llvm) kernel in KERNEL_TABLE; "" = no rows in this part
+    gpu_kernel: str,  # key of the CUDA kernel for the target's GPU, "" if none
+) -> Tensor:
+    """sparse_ffn lowered to a TVM kernel: one token runs the kernel over the active rows; several
+    tokens (prefill) take the dense masked path, which is faster than gathering per token."""
+    d = x.shape[-1]
+    if x.numel() != d or not kernel:
+        return sparse_ffn(x, w_up, b_up, w_gate, w_down_t, mask, act, layer, part, device)
+    kern = KERNEL_TABLE.get(kernel)
+    if kern is None:
+        raise RuntimeError(f"TVM kernel {kernel} (layer {layer}, {part} part) is not loaded")
+    idx = _all_rows(w_up.shape[0]) if mask is None else mask.reshape(-1).nonzero().squeeze(1).to(torch.int32)
+    xv = x.reshape(d)
+    if xv.data_ptr() % 64 or not xv.is_contiguous():
+        xv = _aligned_copy(xv)
+    y = torch.empty(d, dtype=torch.float32)
+    if y.data_ptr() % 64:
+        y = _aligned_copy(y)
+    kern.unchecked(xv, w_up, w_gate, b_up, w_down_t, idx, y)  # type: ignore[attr-defined]
+    return y.reshape(x.shape)
+
+
+def _aligned_copy(t: Tensor) -> Tensor:
+    from picompile.kernels import as_aligned
+
+    return as_aligned(t.contiguous().clone() if t.data_ptr() % 64 == 0 else t)
+
+
+@tvm_sparse_ffn.register_fake
+def _tvm_sparse_ffn_fake(x: Tensor, w_up: Tensor, b_up: Optional[Tensor], w_gate: Optional[Tensor], w_down_t: Tensor,
+                         mask: Optional[Tensor], act: str, layer: int, part: str, device: str, kernel: str,
+                         gpu_kernel: str) -> Tensor:
+    return torch.empty_like(x)

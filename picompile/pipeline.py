@@ -16,14 +16,18 @@ from picompile.context import BuildContext
 from picompile.errors import PassError, PicompileError
 from picompile.graph import format_graph, lint
 
+# PowerInfer's offline half: profile → predictors → placement → predictor nodes → hot/cold split
+_SPARSE: list[str] = [
+    "capture", "canonicalize-ffn", "profile-activations", "train-predictors", "place-neurons",
+    "insert-predictors", "split-ffn",
+]
 PIPELINES: dict[str, list[str]] = {
-    # dense: the model as captured, FFNs in canonical form; the reference every sparse build is checked against
+    # the sparse hot/cold graph with its parts lowered to TVM kernels
+    "default": [*_SPARSE, "lower-tvm", "package"],
+    # the same graph on the reference torch ops (no TVM): what the kernels are checked against
+    "reference": [*_SPARSE, "package"],
+    # the model as captured, FFNs in canonical form: what every sparse build is checked against
     "dense": ["capture", "canonicalize-ffn", "package"],
-    # PowerInfer: profile → predictors → placement → predictor nodes → hot/cold split
-    "default": [
-        "capture", "canonicalize-ffn", "profile-activations", "train-predictors", "place-neurons",
-        "insert-predictors", "split-ffn", "package",
-    ],
 }
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -47,9 +48,37 @@ def load_graph(root: Path, manifest: Manifest) -> fx.GraphModule:
     missing = [k for k in g["weights"] if k not in tensors]
     if missing:
         raise ArtifactError(f"{wfile} lacks {len(missing)} tensors the manifest names, e.g. {missing[:3]}")
+    load_kernels(root, manifest.sections.get("kernels") or [])
     gm = ep.module()
     gm = flatten_codegen(gm)
+    if manifest.sections.get("kernels"):
+        from picompile.kernels import as_aligned  # kernels read weights with aligned vector loads
+
+        tensors = {k: as_aligned(t) for k, t in tensors.items()}
     return bind_weights(gm, 1 + int(g["n_past"]), list(g["weights"]), tensors)
+
+
+def load_kernels(root: Path, entries: list[dict[str, Any]]) -> None:
+    """Load the kernels a manifest lists ("kernels") into picompile.ops.KERNEL_TABLE (TVM runtime only).
+
+    CUDA kernels are loaded only where a CUDA device is present.
+    """
+    if not entries:
+        return
+    from picompile.kernels import KernelSpec, load_kernel
+    from picompile.ops import KERNEL_TABLE
+
+    cuda = torch.cuda.is_available()
+    for entry in entries:
+        spec = KernelSpec(**entry["spec"])
+        if spec.target != "llvm" and not cuda:
+            continue
+        if entry["key"] in KERNEL_TABLE:
+            continue
+        try:
+            KERNEL_TABLE[entry["key"]] = load_kernel(root / entry["file"], spec)
+        except Exception as e:
+            raise ArtifactError(f"cannot load kernel {entry['file']} of {root}: {type(e).__name__}: {e}") from None
 
 
 def load_artifact(root: str | Path, verify: bool = True) -> tuple[Path, Manifest, fx.GraphModule]:

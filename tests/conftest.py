@@ -14,6 +14,14 @@ SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 FAMILIES: list[tuple[str, str]] = [("opt", "relu"), ("llama", "relu"), ("llama", "silu")]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # compiled TVM kernels go to a cache of this test session, not the user's
+    import os
+    import tempfile
+
+    os.environ.setdefault("PICOMPILE_CACHE_DIR", tempfile.mkdtemp(prefix="picompile-test-cache-"))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return

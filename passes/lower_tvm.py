@@ -1,0 +1,75 @@
+"""lower-tvm: sparse_ffn(x, rows…, mask, part, device) → tvm_sparse_ffn(…, kernel=KEY, gpu_kernel=KEY)
+calling TVM-generated kernels: an llvm kernel for every part (the CPU, and the GPU partition's
+fallback on a machine without one) and a CUDA kernel for the hot part when the target has a GPU.
+Compiled libraries go to the artifact's kernels/ and are listed in the manifest.
+"""
+from __future__ import annotations
+
+import shutil
+from typing import Any
+
+import torch
+from torch import fx
+
+import picompile.ops  # noqa: F401  (registers picompile:: ops)
+from picompile.context import BuildContext
+from picompile.errors import PassError
+from picompile.graph import get_tensor
+from picompile.ops import is_picompile_op
+from picompile.passes.registry import register_pass
+
+KERNEL_DIR = "kernels"
+KERNEL_ACTS: tuple[str, ...] = ("relu", "silu")
+
+
+def _build(ctx: BuildContext, spec: Any, entries: dict[str, dict[str, Any]], layer: int, part: str) -> str:
+    """Compile (or reuse from the kernel cache) one kernel, copy it into the artifact, return its key."""
+    from picompile.kernels import build_kernel
+
+    key = spec.key()
+    if key not in entries:
+        path = build_kernel(spec, ctx.config.kernel_cache)
+        dest = ctx.staging_dir / KERNEL_DIR
+        dest.mkdir(exist_ok=True)
+        shutil.copyfile(path, dest / path.name)  # the library …
+        meta = path.with_suffix(".json")
+        shutil.copyfile(meta, dest / meta.name)  # … and its build metadata, which the loader checks
+        entries[key] = {"key": key, "file": f"{KERNEL_DIR}/{path.name}", "meta": f"{KERNEL_DIR}/{meta.name}",
+                        "spec": spec.__dict__.copy(), "uses": []}
+    entries[key]["uses"].append(f"layer{layer}.{part}")
+    return key
+
+
+@register_pass("lower-tvm")
+def lower_tvm(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
+    from picompile.kernels import KernelSpec
+
+    entries: dict[str, dict[str, Any]] = {}
+    skipped: list[str] = []
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and is_picompile_op(n.target, "sparse_ffn")]
+    if not nodes:
+        raise PassError("lower-tvm found no sparse_ffn node to lower (run split-ffn first)")
+    for node in ctx.track(nodes, "compiling TVM kernels"):
+        x, w_up, b_up, w_gate, w_down_t, mask, act, layer, part, device = node.args
+        up = get_tensor(gm, w_up)  # [n_rows, d_model]
+        n_rows, d_model = int(up.shape[0]), int(up.shape[1])
+        if act not in KERNEL_ACTS:
+            skipped.append(f"layer {layer} {part}: activation {act} has no TVM kernel (supported: {', '.join(KERNEL_ACTS)})")
+            continue
+        cpu_key = gpu_key = ""
+        if n_rows > 0:
+            common = dict(kind="ffn_gated" if w_gate is not None else "ffn_relu", act=act, d_model=d_model,
+                          n_rows=n_rows, weight_dtype=str(up.dtype).removeprefix("torch."), has_bias=b_up is not None)
+            cpu_key = _build(ctx, KernelSpec(**common, target="llvm"), entries, layer, part)
+            if device == "gpu" and ctx.target.has_gpu:
+                gpu_key = _build(ctx, KernelSpec(**common, target=f"cuda:{ctx.target.cuda_arch}"), entries, layer, part)
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(torch.ops.picompile.tvm_sparse_ffn.default, (*node.args, cpu_key, gpu_key))
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+    gm.recompile()
+    ctx.manifest_extra["kernels"] = list(entries.values())
+    if skipped:
+        ctx.manifest_extra["kernels_skipped"] = skipped
+    return gm
