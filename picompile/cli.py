@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import time
@@ -108,6 +109,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                             profile=args.profile, plot=Path(args.plot) if args.plot else None)
 
 
+# modules that add a subcommand: each has ``add_subcommand(sub)``, which adds a parser whose
+# ``fn`` default takes the parsed args and returns the exit code (raising PicompileError on user errors)
+EXTRA_COMMANDS: list[str] = []
+
+
 def parser() -> argparse.ArgumentParser:
     from picompile import __version__
     from picompile.pipeline import PIPELINES
@@ -162,6 +168,8 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("--plot", metavar="FILE.png", help="draw per-layer activation-frequency curves")
     i.add_argument("--no-verify", action="store_true", help="skip the checksum check")
     i.set_defaults(fn=cmd_inspect)
+    for module in EXTRA_COMMANDS:
+        importlib.import_module(module).add_subcommand(sub)
     return p
 
 
