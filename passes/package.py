@@ -64,6 +64,7 @@ def package(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
         ep = torch.export.export(
             lifted, (ids, *past, *weights), dynamic_shapes=(ids_dim, *past_dims, *([None] * len(weights))), strict=False
         )
+    ep.example_inputs = None  # they would be the weights again, serialized inside graph.pt2
     torch.export.save(ep, out / GRAPH_FILE)
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     tokenizer = None

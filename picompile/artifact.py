@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -112,6 +113,15 @@ def read_manifest(root: Path, verify: bool = True) -> Manifest:
     return manifest
 
 
+def _normal_permissions(root: Path) -> None:
+    """mkdtemp makes the staging dir private and safetensors writes 0600 files: give them the umask's modes."""
+    umask = os.umask(0)
+    os.umask(umask)
+    root.chmod(0o777 & ~umask)
+    for p in root.rglob("*"):
+        p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
+
+
 def is_artifact(path: Path) -> bool:
     return (Path(path) / MANIFEST).is_file()
 
@@ -131,6 +141,7 @@ def staged_output(output: Path) -> Iterator[Path]:
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".partial", dir=output.parent))
     try:
         yield staging
+        _normal_permissions(staging)
         if output.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".old", dir=output.parent))
             output.rename(old / "a")  # keep the old artifact until the new one is in place

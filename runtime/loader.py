@@ -31,8 +31,33 @@ def bind_weights(gm: fx.GraphModule, n_inputs: int, keys: list[str], tensors: di
     return gm
 
 
-def load_graph(root: Path, manifest: Manifest) -> fx.GraphModule:
-    """The executable decoder-step graph: forward(input_ids, *past) -> (logits, *presents)."""
+# op -> position of its neuron mask argument
+MASK_ARGS: dict[str, int] = {"ffn": 8, "sparse_ffn": 5, "tvm_sparse_ffn": 5}
+
+
+def drop_masks(gm: fx.GraphModule) -> fx.GraphModule:
+    """Compute every neuron: the FFN ops lose their masks (predictors become dead code and go).
+
+    With the placement kept, this is the artifact's exact dense reference (same weights, same split).
+    """
+    from picompile.ops import is_picompile_op
+
+    for node in gm.graph.nodes:
+        for op, pos in MASK_ARGS.items():
+            if node.op == "call_function" and is_picompile_op(node.target, op) and len(node.args) > pos:
+                args = list(node.args)
+                args[pos] = None
+                node.args = tuple(args)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+def load_graph(root: Path, manifest: Manifest, dense: bool = False) -> fx.GraphModule:
+    """The executable decoder-step graph: forward(input_ids, *past) -> (logits, *presents).
+
+    ``dense``: drop the predictor masks, so every neuron is computed (see :func:`drop_masks`).
+    """
     import picompile.ops  # noqa: F401  (registers picompile:: ops the graph calls)
 
     g = manifest.graph
@@ -55,7 +80,8 @@ def load_graph(root: Path, manifest: Manifest) -> fx.GraphModule:
         from picompile.kernels import as_aligned  # kernels read weights with aligned vector loads
 
         tensors = {k: as_aligned(t) for k, t in tensors.items()}
-    return bind_weights(gm, 1 + int(g["n_past"]), list(g["weights"]), tensors)
+    gm = bind_weights(gm, 1 + int(g["n_past"]), list(g["weights"]), tensors)
+    return drop_masks(gm) if dense else gm
 
 
 def load_kernels(root: Path, entries: list[dict[str, Any]]) -> None:
@@ -81,7 +107,7 @@ def load_kernels(root: Path, entries: list[dict[str, Any]]) -> None:
             raise ArtifactError(f"cannot load kernel {entry['file']} of {root}: {type(e).__name__}: {e}") from None
 
 
-def load_artifact(root: str | Path, verify: bool = True) -> tuple[Path, Manifest, fx.GraphModule]:
+def load_artifact(root: str | Path, verify: bool = True, dense: bool = False) -> tuple[Path, Manifest, fx.GraphModule]:
     root = Path(root)
     manifest = read_manifest(root, verify=verify)
-    return root, manifest, load_graph(root, manifest)
+    return root, manifest, load_graph(root, manifest, dense=dense)
