@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 import picompile
 from picompile.cli import main
+from picompile.graph import count_ops
 
 PROMPT = [5, 17, 33, 4, 99, 120, 7]
 
@@ -52,6 +53,14 @@ def test_trained_build_reports_layers(checkpoints: dict, tmp_path: Path, capsys:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     session = picompile.load(out)
     assert len(session.generate(PROMPT, 8, stop_at_eos=False)) == 8
+    # the same artifact with every neuron computed is the exact dense model
+    dense = picompile.load(out, dense=True)
+    assert "picompile::predict" in count_ops(session.graph) and "picompile::predict" not in count_ops(dense.graph)
+    model = AutoModelForCausalLM.from_pretrained(checkpoints[("llama", "relu")], dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = model(torch.tensor([PROMPT])).logits[0]
+    assert (dense.logits(PROMPT) - ref).abs().max().item() < 1e-5
+    assert (session.logits(PROMPT) - ref).abs().max().item() > 1e-5  # trained predictors do skip neurons
 
 
 def test_stories260k(shared_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
