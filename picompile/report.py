@@ -80,12 +80,20 @@ def plot_profiles(profiles: list[LayerProfile], path: Path, title: str) -> None:
 
 
 def inspect_artifact(root: Path, as_json: bool = False, graph: bool = False, verify: bool = True,
-                     profile: bool = False, plot: Path | None = None) -> int:
+                     profile: bool = False, plot: Path | None = None, export_onnx: Path | None = None,
+                     dot: Path | None = None) -> int:
     m = read_manifest(root, verify=verify)
     profiles = load_profiles(root, m) if profile or plot else []
     if plot is not None:
         plot_profiles(profiles, plot, f"{m.model['architecture']} from {Path(m.model['source']).name}: "
                       f"{m.sections['profile']['n_tokens']} calibration tokens")
+    if export_onnx is not None or dot is not None:
+        from picompile.onnx_export import export_graph_dot, export_graph_onnx
+
+        if export_onnx is not None:
+            export_graph_onnx(root, export_onnx, verify=False)
+        if dot is not None:
+            export_graph_dot(root, dot, verify=False)
     if as_json:
         out = summary_json(root, m)
         if profile:
@@ -135,6 +143,9 @@ def inspect_artifact(root: Path, as_json: bool = False, graph: bool = False, ver
                       "(PowerInfer: 26% carry 80% in OPT-30B)")
     if plot is not None:
         console.print(f"wrote {plot}")
+    for path in (export_onnx, dot):
+        if path is not None:
+            console.print(f"wrote {path}")
     if graph:
         from picompile.graph import format_graph
         from picompile.runtime.loader import load_graph
