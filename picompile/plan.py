@@ -1,0 +1,216 @@
+"""``picompile plan``: predicted decode tokens/s of a model on a target, three strategies side by side.
+
+    picompile plan MODEL_OR_CONFIG [--target rtx4090] [--vram-budget GiB] [--dtype float16|float32|int4]
+                   [--sparsity F] [--locality F] [--cpu-bandwidth GBs|host|measure] [--json] …
+
+MODEL_OR_CONFIG: a Hugging Face checkpoint directory or its config.json (no weights are read), a
+picompile artifact (its model config, recorded activation counts and predictor sizes), or a built-in
+name (:data:`picompile.costmodel.BUILTIN_MODELS`). The model itself is :mod:`picompile.costmodel`.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from typing import Any
+
+from picompile.costmodel import (
+    BUILTIN_MODELS,
+    DTYPE_BYTES,
+    GB,
+    MEASURED_HOST_CPU_GBS,
+    Assumptions,
+    CostModel,
+    load_model_inputs,
+    measure_cpu_bandwidth,
+)
+from picompile.errors import PicompileError
+from picompile.targets import TARGETS, get_target
+
+STRATEGY_ORDER: tuple[str, ...] = ("hybrid", "layer_offload", "cpu", "layer_offload_sparse", "cpu_sparse")
+
+
+def _cpu_bandwidth(value: str | float | None) -> tuple[float | None, str]:
+    """``--cpu-bandwidth``: a number of GB/s, ``host`` (the figure measured here) or ``measure`` (now)."""
+    if value is None:
+        return None, "preset"
+    if isinstance(value, str):
+        v = value.strip().lower()
+        if v == "host":
+            return MEASURED_HOST_CPU_GBS, "measured on the development machine (MEASURED_HOST_CPU_GBS)"
+        if v == "measure":
+            m = measure_cpu_bandwidth()
+            return m["read_gbs"], f"measured now: median read {m['read_gbs']:.1f} GB/s, copy {m['copy_gbs']:.1f} GB/s, 2 threads"
+        try:
+            value = float(v)
+        except ValueError:
+            raise PicompileError(f"--cpu-bandwidth takes GB/s, 'host' or 'measure', got {value!r}") from None
+    if not value > 0:
+        raise PicompileError(f"--cpu-bandwidth must be > 0 GB/s, got {value}")
+    return float(value), "given on the command line"
+
+
+def plan(
+    model: str,
+    target: str = "rtx4090",
+    *,
+    vram_budget_gib: float | None = None,
+    dtype: str | None = None,
+    sparsity: float | None = None,
+    locality: float | None = None,
+    cpu_bandwidth: str | float | None = None,
+    gpu_bandwidth: float | None = None,
+    assumptions: Assumptions | None = None,
+) -> dict[str, Any]:
+    """The plan as a JSON-ready dict: ``{"model", "target", "assumptions", "profile", "placement", "strategies", "speedup"}``.
+
+    ``strategies`` holds ``hybrid``, ``layer_offload`` and ``cpu`` (dense), plus ``layer_offload_sparse``
+    and ``cpu_sparse``; each has ``tokens_per_s``, ``ms_per_token``, ``gpu_ms``, ``cpu_ms``, ``sync_ms``,
+    bytes read per token on each side, ``vram_bytes`` and a description.
+    """
+    a = assumptions or Assumptions()
+    if sparsity is not None and not 0.0 <= sparsity < 1.0:
+        raise PicompileError(f"--sparsity must be in [0, 1), got {sparsity}")
+    if locality is not None and not 0.0 < locality <= 1.0:
+        raise PicompileError(f"--locality must be in (0, 1], got {locality}")
+    tgt = get_target(target, vram_budget_gib)
+    bw, bw_source = _cpu_bandwidth(cpu_bandwidth)
+    if bw is not None:
+        tgt = dataclasses.replace(tgt, cpu_bandwidth_gbs=bw)
+    if gpu_bandwidth is not None:
+        if not gpu_bandwidth > 0:
+            raise PicompileError(f"--gpu-bandwidth must be > 0 GB/s, got {gpu_bandwidth}")
+        tgt = dataclasses.replace(tgt, gpu_bandwidth_gbs=float(gpu_bandwidth))
+    inputs = load_model_inputs(model, a, sparsity, locality)
+    dt = dtype or inputs.default_dtype
+    if dt not in DTYPE_BYTES:
+        raise PicompileError(f"unknown dtype {dt!r}; known: {', '.join(DTYPE_BYTES)}")
+    cm = CostModel(inputs, tgt, dt, a)
+    hybrid, placement = cm.hybrid()
+    costs = {
+        "hybrid": hybrid,
+        "layer_offload": cm.layer_offload(False),
+        "cpu": cm.cpu(False),
+        "layer_offload_sparse": cm.layer_offload(True),
+        "cpu_sparse": cm.cpu(True),
+    }
+    s = inputs.shape
+    q = [float(la.predicted.mean()) for la in inputs.layers]
+    out: dict[str, Any] = {
+        "model": {
+            **s.to_json(),
+            "source": inputs.source,
+            "dtype": dt,
+            "bytes_per_weight": DTYPE_BYTES[dt],
+            "weight_bytes": cm.weight_bytes(),
+        },
+        "target": {**tgt.to_json(), "cpu_bandwidth_source": bw_source},
+        "assumptions": {**a.__dict__, "kv_cache_dtype": "float32" if dt == "float32" else "float16"},
+        "profile": {
+            "source": inputs.activity.source if inputs.source == "artifact" and "artifact" in inputs.activity.source
+            else f"synthetic power law ({inputs.activity.source})",
+            "sparsity": inputs.activity.sparsity,
+            "locality": inputs.activity.locality,
+            "predicted_active_fraction": sum(q) / len(q),
+            "predictor_params": int(sum(la.predictor_params for la in inputs.layers)),
+            "notes": inputs.notes,
+        },
+        "placement": placement,
+        "strategies": {k: v.to_json() for k, v in costs.items()},
+    }
+    base, cpu = costs["layer_offload"].tokens_per_s, costs["cpu"].tokens_per_s
+    out["speedup"] = {
+        "hybrid_vs_layer_offload": hybrid.tokens_per_s / base,
+        "hybrid_vs_cpu": hybrid.tokens_per_s / cpu,
+        "layer_offload_sparse_vs_layer_offload": costs["layer_offload_sparse"].tokens_per_s / base,
+        "cpu_sparse_vs_cpu": costs["cpu_sparse"].tokens_per_s / cpu,
+    }
+    main = ("hybrid", "layer_offload", "cpu", "cpu_sparse")
+    top = max(costs[k].tokens_per_s for k in main)
+    out["best"] = next(k for k in main if costs[k].tokens_per_s >= top * (1 - 1e-9))  # ties: the first listed
+    return out
+
+
+def _print(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(highlight=False, soft_wrap=True)
+    if not con.is_terminal:
+        con = Console(highlight=False, soft_wrap=True, width=120)
+    m, t, p, pl = result["model"], result["target"], result["profile"], result["placement"]
+    def num(x: float, unit: str) -> str:
+        return f"{x / 1e9:.2f} G{unit}" if x >= 1e8 else f"{x / 1e6:.2f} M{unit}"
+
+    con.print(f"[bold]{m['name']}[/bold] ({m['family']}, {m['n_layers']} layers, d_model {m['d_model']}, "
+              f"{m['d_ffn']} FFN neurons{' gated' if m['gated'] else ''}, {num(m['n_params'], '')} params) "
+              f"in {m['dtype']}: {num(m['weight_bytes'], 'B')} of weights")
+    con.print(f"target [bold]{t['name']}[/bold]: VRAM {t['vram_bytes'] / (1 << 30):.1f} GiB, GPU {t['gpu_bandwidth_gbs']:g} GB/s, "
+              f"link {t['link_bandwidth_gbs']:g} GB/s, CPU {t['cpu_bandwidth_gbs']:g} GB/s ({t['cpu_bandwidth_source']})")
+    con.print(f"profile: {p['source']}; sparsity {p['sparsity']:.2f}, locality {p['locality']:.2f}, "
+              f"predicted active {p['predicted_active_fraction']:.1%} of neurons per token")
+    if pl.get("gpu"):
+        con.print(f"placement: {pl.get('method', '-')} — FFN budget {pl['ffn_budget_bytes'] / (1 << 30):.2f} GiB after "
+                  f"{', '.join(pl['fixed_parts_on_gpu']) or 'nothing'}; hot {result['strategies']['hybrid']['hot_neuron_fraction']:.1%} "
+                  f"of neurons serve {result['strategies']['hybrid']['activation_coverage']:.1%} of activations")
+        if "fallback" in pl:
+            con.print(f"[yellow]note:[/yellow] {pl['fallback']}")
+    table = Table(show_header=True, header_style="bold")
+    for col in ("strategy", "tok/s", "ms/token", "GPU ms", "CPU ms", "sync ms", "VRAM GiB", "GPU layers"):
+        table.add_column(col, justify="left" if col == "strategy" else "right", no_wrap=True)
+    for name in STRATEGY_ORDER:
+        s = result["strategies"][name]
+        table.add_row(name, f"{s['tokens_per_s']:.2f}", f"{s['ms_per_token']:.1f}", f"{s['gpu_ms']:.1f}", f"{s['cpu_ms']:.1f}",
+                      f"{s['sync_ms']:.2f}", f"{s['vram_bytes'] / (1 << 30):.1f}", f"{s['gpu_layers']}/{m['n_layers']}")
+    con.print(table)
+    for name in STRATEGY_ORDER:
+        con.print(f"  [bold]{name}[/bold]: {result['strategies'][name]['description']}")
+    sp = result["speedup"]
+    con.print(f"hybrid vs layer offload: {sp['hybrid_vs_layer_offload']:.2f}×; vs CPU dense: {sp['hybrid_vs_cpu']:.2f}×; "
+              f"CPU sparse vs dense: {sp['cpu_sparse_vs_cpu']:.2f}×; fastest: [bold]{result['best']}[/bold]")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    a = Assumptions(
+        predictor_recall=args.predictor_recall, predictor_overhead=args.predictor_overhead,
+        predictor_fraction=args.predictor_fraction, context=args.context, gpu_sparse=args.gpu_sparse, balance=args.balance,
+        placement_batch=args.placement_batch, min_layer_neurons=args.min_layer_neurons, placement=args.placement,
+    )
+    if args.placement_batch < 1 or args.min_layer_neurons < 0:
+        raise PicompileError("--placement-batch must be >= 1 and --min-layer-neurons >= 0")
+    result = plan(args.model, args.target, vram_budget_gib=args.vram_budget, dtype=args.dtype, sparsity=args.sparsity,
+                  locality=args.locality, cpu_bandwidth=args.cpu_bandwidth, gpu_bandwidth=args.gpu_bandwidth, assumptions=a)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        _print(result)
+    return 0
+
+
+def add_subcommand(sub: Any) -> None:
+    d = Assumptions()
+    p = sub.add_parser("plan", help="predict decode tokens/s: hybrid vs llama.cpp layer offload vs CPU",
+                       description="Predict decode tokens/s of a model on a target: PowerInfer hybrid, llama.cpp layer offload and CPU-only, side by side.")
+    p.add_argument("model", metavar="MODEL_OR_CONFIG",
+                   help=f"HF checkpoint dir or config.json, a picompile artifact, or one of: {', '.join(BUILTIN_MODELS)}")
+    p.add_argument("--target", default="rtx4090", help=f"target preset: {', '.join(TARGETS)} (default rtx4090)")
+    p.add_argument("--vram-budget", type=float, metavar="GIB", help="GPU memory budget in GiB (overrides the target)")
+    p.add_argument("--dtype", choices=list(DTYPE_BYTES), help="weight format (default float16; an artifact: its own)")
+    p.add_argument("--sparsity", type=float, metavar="F", help="fraction of FFN neurons inactive per token (synthetic profile)")
+    p.add_argument("--locality", type=float, metavar="F", help="fraction of neurons carrying 80%% of activations (synthetic profile)")
+    p.add_argument("--cpu-bandwidth", metavar="GBS", help="host memory bandwidth in GB/s, 'host' (measured here) or 'measure'")
+    p.add_argument("--gpu-bandwidth", type=float, metavar="GBS", help="GPU memory bandwidth in GB/s (overrides the target)")
+    p.add_argument("--context", type=int, default=d.context, metavar="N", help=f"tokens in the KV cache (default {d.context})")
+    p.add_argument("--predictor-recall", type=float, default=d.predictor_recall, metavar="F")
+    p.add_argument("--predictor-overhead", type=float, default=d.predictor_overhead, metavar="F",
+                   help=f"false positives / true actives (default {d.predictor_overhead})")
+    p.add_argument("--predictor-fraction", type=float, default=d.predictor_fraction, metavar="F",
+                   help=f"predictor params / FFN params per layer (default {d.predictor_fraction})")
+    p.add_argument("--gpu-sparse", action="store_true", help="the GPU reads only predicted-active hot neurons")
+    p.add_argument("--balance", action="store_true",
+                   help="hybrid: keep a hot neuron on the GPU only while that shortens the layer (GPU reads all hot rows)")
+    p.add_argument("--placement", choices=["auto", "ilp", "greedy"], default=d.placement)
+    p.add_argument("--placement-batch", type=int, default=d.placement_batch, metavar="N")
+    p.add_argument("--min-layer-neurons", type=int, default=d.min_layer_neurons, metavar="N")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(fn=cmd_plan)
