@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -375,15 +374,11 @@ def load_model_inputs(spec: str, assumptions: Assumptions, sparsity: float | Non
     if path.is_dir() and (path / "manifest.json").is_file():
         return _artifact_inputs(path, assumptions, sparsity, locality)
     if path.is_dir() or (path.is_file() and path.suffix == ".json"):
-        cfg_file = path / "config.json" if path.is_dir() else path
-        if not cfg_file.is_file():
+        from picompile.frontend.hf import read_config
+
+        if path.is_dir() and not (path / "config.json").is_file():
             raise PicompileError(f"{path} is neither a picompile artifact nor a checkpoint directory (no config.json)")
-        try:
-            config = json.loads(cfg_file.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise PicompileError(f"{cfg_file} is not valid JSON: {e}") from None
-        if not isinstance(config, dict):
-            raise PicompileError(f"{cfg_file} does not hold a JSON object")
+        config = read_config(path)
         shape = shape_from_hf_config(config, name=str(path))
         return synthetic_inputs(shape, "hf-config", assumptions, sparsity, locality)
     if path.exists():

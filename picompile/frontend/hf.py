@@ -32,8 +32,8 @@ def architecture_of(config: dict[str, Any], where: str) -> str:
 
 
 def read_config(path: Path) -> dict[str, Any]:
-    """config.json of a checkpoint directory, validated before any weight is read."""
-    cfg_file = path / "config.json"
+    """config.json of a checkpoint directory (or the file itself), validated before any weight is read."""
+    cfg_file = path if path.is_file() else path / "config.json"
     if not cfg_file.is_file():
         raise ModelLoadError(f"{path} is not a Hugging Face checkpoint directory (no config.json in it)")
     try:
