@@ -398,9 +398,25 @@ def prepare_for(session: Any, ppl: str | Path | None = None, tasks: Sequence[str
                    vocab_size=session.vocab_size, max_tokens=max_tokens)
 
 
-def run_one(session: Any, inputs: Inputs, stride: int | None = None, advance: Advance = _noop) -> dict[str, Any]:
+class OrtScorer:
+    """Scores with the dense ONNX Runtime export of the artifact's source model (``--vs ort``)."""
+
+    def __init__(self, ort: Any, context: int, vocab_size: int) -> None:
+        self.ort, self.context, self.vocab_size = ort, context, vocab_size
+
+    def logprobs(self, ids: Sequence[int]) -> Tensor:
+        import torch
+
+        return torch.log_softmax(torch.from_numpy(self.ort.logits(list(ids))).float(), dim=-1)
+
+    def skipped(self, n_layers: int) -> tuple[float | None, dict[int, float]]:
+        return 0.0, {}
+
+
+def run_one(session: Any, inputs: Inputs, stride: int | None = None, advance: Advance = _noop,
+            scorer: Any | None = None) -> dict[str, Any]:
     """One session over the inputs: {"ppl", "nll", "tokens", "tasks": {name: score}, "skipped_fraction", …}."""
-    scorer = Scorer(session)
+    scorer = scorer if scorer is not None else Scorer(session)
     out: dict[str, Any] = {}
     if inputs.ppl_ids is not None:
         total, count = sliding_nll(scorer, inputs.ppl_ids, stride, advance)
@@ -415,7 +431,7 @@ def run_one(session: Any, inputs: Inputs, stride: int | None = None, advance: Ad
 def evaluate(artifact: str | Path, ppl: str | Path | None = None, tasks: Sequence[str | Path] = (),
              limit: int | None = None, *, stride: int | None = None, max_tokens: int | None = None,
              tokenizer: Any | None = None, verify: bool = True, do_sweep: bool = False,
-             sweep_values: Sequence[float] | None = None,
+             sweep_values: Sequence[float] | None = None, vs_ort: bool = False,
              progress: Callable[[str, int], Advance] | None = None) -> dict[str, Any]:
     """Dense and sparse evaluation of ``artifact`` in one run; the dict ``picompile eval --json`` prints.
 
@@ -444,6 +460,14 @@ def evaluate(artifact: str | Path, ppl: str | Path | None = None, tasks: Sequenc
     advance = progress("sparse", n) if progress else _noop
     s = run_one(sparse, inputs, stride, advance)
     result = assemble(artifact, sparse, inputs, d, s, stride)
+    if vs_ort:
+        from picompile.ort_reference import for_artifact
+
+        ort = OrtScorer(for_artifact(Path(artifact)), sparse.max_seq_len, sparse.vocab_size)
+        advance = progress("onnxruntime dense", n) if progress else _noop
+        o = run_one(sparse, inputs, stride, advance, scorer=ort)
+        result["ort_dense"] = {k: o[k] for k in ("ppl", "nll", "tokens") if k in o}
+        result["ort_dense"]["tasks"] = {name: {"acc": t["acc"], "acc_norm": t["acc_norm"]} for name, t in o["tasks"].items()}
     if do_sweep:
         result["sweep"] = sweep(artifact, inputs, sweep_values, stride=stride, progress=progress)
     return result
@@ -606,6 +630,12 @@ def render(result: dict[str, Any], console: Any) -> None:
     table.add_row(f"skipped FFN neurons ({result['skipped_fraction_source']})", _fmt(0.0), _fmt(result["skipped_fraction"]),
                   _delta(0.0, result["skipped_fraction"]))
     table.add_row("skipped FFN neurons (manifest estimate)", "", _fmt(result["skipped_fraction_manifest"]), "")
+    o = result.get("ort_dense")
+    if o and "ppl" in o:  # the dense reference in ONNX Runtime; delta = sparse against it
+        table.add_row("perplexity, ONNX Runtime dense", _fmt(o["ppl"]), _fmt(s["ppl"]), _delta(o["ppl"], s["ppl"], pct=True))
+    for name, t in (o or {}).get("tasks", {}).items():
+        table.add_row(f"{name} acc, ONNX Runtime dense", _fmt(t["acc"]), _fmt(result["tasks"][name]["sparse"]["acc"]),
+                      _delta(t["acc"], result["tasks"][name]["sparse"]["acc"]))
     console.print(table)
     sw = result.get("sweep")
     if sw:
@@ -655,7 +685,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
         result = evaluate(args.artifact, args.ppl, args.tasks or (), args.limit, stride=args.stride,
                           max_tokens=args.ppl_tokens, verify=not args.no_verify, do_sweep=args.sweep,
-                          sweep_values=values, progress=progress)
+                          sweep_values=values, vs_ort=args.vs == "ort", progress=progress)
     if args.json:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")
     else:
@@ -678,6 +708,7 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
                         "print ppl vs skipped fraction")
     e.add_argument("--sweep-values", metavar="V,V,…", help=f"values to sweep (default recall {RELU_SWEEP} for ReLU, "
                                                          f"act-sparsity {ACT_SWEEP} otherwise)")
+    e.add_argument("--vs", choices=["ort"], help="also score the dense model in ONNX Runtime (CPU) as a reference")
     e.add_argument("--no-verify", action="store_true", help="skip the checksum check")
     e.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     e.set_defaults(fn=cmd_eval)

@@ -250,3 +250,12 @@ def test_stories260k(shared_data: Path, tmp_path: Path, capsys: pytest.CaptureFi
     assert r["skipped_fraction"] == 0.0
     for name in ("copa", "rte_val", "winogrande"):
         assert r["tasks"][name]["n"] == 3 and 0.0 <= r["tasks"][name]["dense"]["acc"] <= 1.0
+
+
+def test_vs_ort_reference(oracle_art: Path, token_files: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--vs ort: the dense model in ONNX Runtime scores the same perplexity as picompile's dense reference."""
+    pytest.importorskip("onnxscript")
+    monkeypatch.setenv("PICOMPILE_CACHE_DIR", str(tmp_path / "cache"))
+    result = evaluate(oracle_art, token_files["random"], max_tokens=150, vs_ort=True)
+    assert result["ort_dense"]["tokens"] == result["dense"]["tokens"]
+    assert abs(result["ort_dense"]["ppl"] / result["dense"]["ppl"] - 1) < 1e-4
