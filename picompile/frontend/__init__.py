@@ -1,4 +1,4 @@
-"""Frontends: turn what the user names (HF dir, hub id, llama2.c .bin) into a torch model + ModelInfo."""
+"""Frontends: turn what the user names (HF dir, hub id, llama2.c .bin, .onnx) into a torch model + ModelInfo."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -56,8 +56,10 @@ def load_model(spec: str) -> tuple[torch.nn.Module, ModelInfo]:
             tokenizer = {"kind": "llama2c", "path": str(tok)} if tok.is_file() else None
             config = model.config.to_dict()
             return model, _info(model, config, "LlamaForCausalLM", "llama", str(path), "llama2c", tokenizer, meta)
-        if path.suffix == ".onnx":
-            raise ModelLoadError(f"{path}: building from ONNX is not supported yet; give a Hugging Face checkpoint dir")
+        if path.suffix == ".onnx":  # an ONNX decoder step (see picompile.frontend.onnx_import)
+            from picompile.frontend.onnx_import import load_onnx
+
+            return load_onnx(path)
         raise ModelLoadError(
             f"{path} is a file, not a model: give a Hugging Face checkpoint directory or a llama2.c .bin"
         )

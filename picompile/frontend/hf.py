@@ -14,6 +14,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "OPTForCausalLM": "opt",
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
+    "FalconForCausalLM": "falcon",
 }
 _MODEL_TYPES: dict[str, str] = {"opt": "OPTForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
 
