@@ -13,6 +13,10 @@ call before it, made after the other methods ran (TVM's idle worker threads must
 """
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP: see picompile/__init__.py
+
 import argparse
 import statistics
 import tempfile
