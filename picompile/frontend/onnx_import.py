@@ -78,7 +78,6 @@ Here:
 """
 from __future__ import annotations
 
-import json
 import math
 import operator
 import re
@@ -1104,16 +1103,12 @@ def _trace_to(graph: Any, name: str, target: str) -> bool:
 
 
 def _read_config(path: Path) -> tuple[dict[str, Any], Optional[Path]]:
+    from picompile.frontend.hf import read_config
+
     cfg = path.parent / "config.json"
     if not cfg.is_file():
         return {}, None
-    try:
-        data = json.loads(cfg.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"{cfg} is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{cfg} does not hold a JSON object")
-    return data, cfg
+    return read_config(cfg), cfg
 
 
 def _facts(model: Any, sig: Signature, cfg: dict[str, Any], cfg_file: Optional[Path], where: str) -> _Facts:
