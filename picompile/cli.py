@@ -113,7 +113,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 # modules that add a subcommand: each has ``add_subcommand(sub)``, which adds a parser whose
 # ``fn`` default takes the parsed args and returns the exit code (raising PicompileError on user errors)
-EXTRA_COMMANDS: list[str] = ["picompile.evaluate", "picompile.plan"]
+EXTRA_COMMANDS: list[str] = ["picompile.evaluate", "picompile.plan", "picompile.bench"]
 
 
 def parser() -> argparse.ArgumentParser:

@@ -1,0 +1,152 @@
+"""End-to-end decode benchmark on 1B-class SYNTHETIC activation-sparse models (picompile vs PyTorch eager).
+
+    python benchmarks/decode.py [--shapes llama-1b-relu,opt-1.3b] [--tokens 32] [--prompt-len 64]
+                                [--repeats 5] [--threads T] [--json-out FILE]
+
+For each shape: make (or reuse) the seeded synthetic checkpoint (``picompile.synthetic``: random
+weights, ~10 % of FFN neurons active per token, ~26 % of neurons carrying 80 % of activations), build
+(or reuse) its artifact for target ``cpu`` with trained predictors, then run ``picompile bench`` on it
+in this process: picompile, the same artifact dense, PyTorch eager (dense, the HF checkpoint), and
+ONNX Runtime / llama.cpp where installed, interleaved rounds, medians. Checkpoints and artifacts are
+cached outside the repository (``$PICOMPILE_CACHE_DIR`` or ``~/.cache/picompile``: ``synthetic/``,
+``bench/``). Prints one table per model, then both side by side. Not a test.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP: see picompile/__init__.py
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import picompile
+from picompile.artifact import is_artifact, read_manifest
+from picompile.bench import print_report, run_bench
+from picompile.config import default_cache_dir
+from picompile.synthetic import make_synthetic, synthetic_params_of
+
+SHAPES: tuple[str, ...] = ("llama-1b-relu", "opt-1.3b")
+
+
+def artifact_for(checkpoint: Path, cache: Path, calibration_tokens: int, predictor: str, log: Any,
+                 rebuild: bool = False) -> Path:
+    """The cached artifact of ``checkpoint`` (rebuilt when its source or build options differ)."""
+    out = cache / f"{checkpoint.name}-cpu-{predictor}-c{calibration_tokens}.pic"
+    if is_artifact(out) and not rebuild:
+        m = read_manifest(out, verify=False)
+        same_weights = m.model.get("config", {}).get("picompile_synthetic") == synthetic_params_of(checkpoint)
+        if (same_weights and m.model.get("source") == str(checkpoint) and m.build.get("predictor") == predictor
+                and (m.sections.get("profile") or {}).get("n_tokens") == calibration_tokens):
+            log(f"reusing {out}")
+            return out
+    log(f"building {out} (target cpu, predictor {predictor}, {calibration_tokens} calibration tokens)")
+    t0 = time.perf_counter()
+    picompile.build(checkpoint, target="cpu", output=out, predictor=predictor, calibration_tokens=calibration_tokens,
+                    emit=lambda s: None, on_pass=lambda name, i, n: log(f"  pass {i}/{n} {name}"))
+    log(f"built in {time.perf_counter() - t0:.0f} s")
+    return out
+
+
+ROWS: list[tuple[str, str, str]] = [  # (label, key, format)
+    ("decode tok/s, picompile", "decode_tokens_per_s", "{:.2f}"),
+    ("decode tok/s, picompile dense=True", "artifact_dense_decode_tokens_per_s", "{:.2f}"),
+    ("decode tok/s, PyTorch eager", "dense_decode_tokens_per_s", "{:.2f}"),
+    ("decode tok/s, ONNX Runtime", "ort_decode_tokens_per_s", "{:.2f}"),
+    ("decode speedup vs PyTorch", "decode_speedup", "{:.2f}x"),
+    ("  best round vs best round", "best_decode_speedup", "{:.2f}x"),
+    ("prefill tok/s, picompile", "prefill_tokens_per_s", "{:.1f}"),
+    ("prefill tok/s, PyTorch eager", "dense_prefill_tokens_per_s", "{:.1f}"),
+    ("prefill speedup vs PyTorch", "prefill_speedup", "{:.2f}x"),
+    ("FFN neurons computed / token", "ffn_active_fraction", "{:.1%}"),
+    ("  predicted active (manifest)", "ffn_active_fraction_manifest", "{:.1%}"),
+    ("bytes / token, picompile (GB)", "bytes_per_token", "gb"),
+    ("bytes / token, dense (GB)", "dense_bytes_per_token", "gb"),
+    ("copy bandwidth (GB/s)", "bandwidth_gbs", "{:.2f}"),
+    ("bound tok/s, picompile", "bound_tokens_per_s", "{:.2f}"),
+    ("bound tok/s, dense", "dense_bound_tokens_per_s", "{:.2f}"),
+    ("picompile decode / its bound", "bound_share", "{:.0%}"),
+    ("greedy tokens equal to PyTorch", "same_tokens_as_pytorch", "{}"),
+    ("load average (start, end)", "load_average", "load"),
+]
+
+
+def _cell(value: Any, fmt: str) -> str:
+    if value is None:
+        return "-"
+    if fmt == "gb":
+        return f"{value / 1e9:.3f}"
+    if fmt == "load":
+        return f"{value[0]:.1f}, {value[1]:.1f}"
+    return fmt.format(value)
+
+
+def side_by_side(results: dict[str, dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="End-to-end decode, target cpu (SYNTHETIC models: random weights, controlled sparsity)",
+                  title_justify="left")
+    table.add_column("")
+    for shape in results:
+        table.add_column(shape, justify="right")
+    for label, key, fmt in ROWS:
+        table.add_row(label, *[_cell(r.get(key), fmt) for r in results.values()])
+    Console(highlight=False).print(table)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated (default {','.join(SHAPES)})")
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, help="torch and TVM threads (default: physical cores)")
+    ap.add_argument("--calibration-tokens", type=int, default=2048)
+    ap.add_argument("--predictor", default="trained",
+                    help="trained | oracle | none, or several comma-separated (e.g. trained,oracle: the oracle "
+                         "column shows what exact masks would give)")
+    ap.add_argument("--rebuild", action="store_true", help="rebuild the artifacts even if cached")
+    ap.add_argument("--no-extras", action="store_true", help="skip ONNX Runtime and llama.cpp")
+    ap.add_argument("--cache-dir", type=Path, help="artifact cache (default: <picompile cache>/bench)")
+    ap.add_argument("--json-out", type=Path, help="write all results to this JSON file")
+    args = ap.parse_args()
+
+    def log(text: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+    predictors = [p.strip() for p in args.predictor.split(",") if p.strip()]
+    bad = [p for p in predictors if p not in ("trained", "oracle", "none")]
+    if bad or not predictors:
+        ap.error(f"--predictor takes trained, oracle or none (comma-separated), got {args.predictor!r}")
+    cache = args.cache_dir or default_cache_dir() / "bench"
+    results: dict[str, dict[str, Any]] = {}
+    for shape in [s.strip() for s in args.shapes.split(",") if s.strip()]:
+        log(f"{shape}: synthetic checkpoint")
+        checkpoint = make_synthetic(shape, emit=log)
+        for predictor in predictors:
+            art = artifact_for(checkpoint, cache, args.calibration_tokens, predictor, log, args.rebuild)
+            log(f"{shape} ({predictor}): benchmarking (load average {os.getloadavg()[0]:.1f})")
+            result = run_bench(art, args.tokens, args.prompt_len, args.repeats, args.threads,
+                               extras=not args.no_extras, emit=log)
+            result["bound_share"] = result["decode_tokens_per_s"] / result["bound_tokens_per_s"]
+            ort = result["engines"].get("onnxruntime")
+            result["ort_decode_tokens_per_s"] = ort["decode_tokens_per_s"] if ort else None
+            print_report(result)
+            results[shape if len(predictors) == 1 else f"{shape} ({predictor})"] = result
+            gc.collect()
+    if len(results) > 1:
+        side_by_side(results)
+    if args.json_out:
+        args.json_out.write_text(json.dumps(results, indent=1) + "\n")
+        log(f"wrote {args.json_out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

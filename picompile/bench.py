@@ -1,0 +1,580 @@
+"""``picompile bench ART``: end-to-end prefill and decode speed of an artifact against dense PyTorch eager.
+
+Every engine runs in this process on the same prompt (seeded random token ids) and decodes greedily:
+
+* ``picompile``        the artifact as built (predictors + sparse kernels);
+* ``picompile-dense``  the same graph with every FFN neuron computed (``load(art, dense=True)``; it shares
+                       the weights of the first, so it costs no memory);
+* ``pytorch``          the HF model the artifact was built from (``manifest.model["source"]``), float32,
+                       eager, a manual prefill + decode loop with its KV cache, ``torch.inference_mode()``;
+* optional extras, skipped with a printed reason when not installed: ONNX Runtime on the same weights
+  (``picompile.ort_reference.OrtDenseSession``) and llama.cpp (``llama_cpp`` with a GGUF given by ``--gguf``).
+
+Rounds are interleaved (A B C, then C B A, …; ``--repeats`` rounds after one untimed warm-up round),
+so load from other processes hits every engine alike; rates are medians over rounds (each engine's best
+round is reported too: on a busy machine it is the steadier figure). A round times one prefill of
+``--prompt-len`` tokens and ``--tokens`` decode steps after it.
+
+Bytes per token: the weight bytes one decode step reads, from the loaded graph: every tensor the graph
+reads in full (attention, norms, predictors, lm_head), one embedding row, and of each FFN the rows of
+the neurons computed: the mask counts measured on a separate decode of the same prompt (fallback: the
+manifest's per-layer ``predicted_active``), plus the KV cache read at the mean decode position. The
+bound is the memory bandwidth divided by it; the bandwidth is ``dst.copy_(src)`` of a buffer much
+larger than the caches, measured once per round (read + write bytes / time, median) — the convention
+of ``benchmarks/kernels.py``.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import inspect
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, fx
+
+from picompile.errors import PicompileError
+
+REQUIRED_KEYS: tuple[str, ...] = (
+    "decode_tokens_per_s", "dense_decode_tokens_per_s", "decode_speedup",
+    "prefill_tokens_per_s", "dense_prefill_tokens_per_s", "prefill_speedup",
+    "bytes_per_token", "bound_tokens_per_s", "bandwidth_gbs",
+)
+
+OPTIONAL: tuple[str, ...] = ("onnxruntime", "llama.cpp")  # engines whose failure only skips them
+FFN_OPS: dict[str, int] = {"ffn": 8, "sparse_ffn": 5, "tvm_sparse_ffn": 5}  # op -> position of its mask
+
+
+# -- engines ---------------------------------------------------------------------------------------
+@dataclass
+class Engine:
+    """One way of running the model: ``prefill(ids) -> (next_token, state)``, ``decode(tok, state) -> (next, state)``."""
+
+    name: str
+    label: str
+    prefill: Callable[[list[int]], tuple[int, Any]]
+    decode: Callable[[int, Any], tuple[int, Any]]
+    prefill_s: list[float] = field(default_factory=list)
+    decode_s: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+
+    def run(self, prompt: list[int], n: int, record: bool = True) -> None:
+        t0 = time.perf_counter()
+        tok, state = self.prefill(prompt)
+        t1 = time.perf_counter()
+        out = [tok]
+        for _ in range(n):
+            tok, state = self.decode(tok, state)
+            out.append(tok)
+        t2 = time.perf_counter()
+        del state
+        if record:
+            self.prefill_s.append(t1 - t0)
+            self.decode_s.append(t2 - t1)
+            self.tokens = out
+
+    def rates(self, prompt_len: int, n: int) -> tuple[float, float]:
+        """(prefill tokens/s, decode tokens/s) from the median round."""
+        return prompt_len / statistics.median(self.prefill_s), n / statistics.median(self.decode_s)
+
+
+def _argmax(logits: Any) -> int:
+    t = torch.as_tensor(logits)
+    return int(torch.argmax(t.reshape(-1, t.shape[-1])[-1]))
+
+
+def session_engine(name: str, label: str, session: Any) -> Engine:
+    def prefill(ids: list[int]) -> tuple[int, Any]:
+        logits, past = session.step(torch.tensor([ids]), session.empty_past())
+        return _argmax(logits), past
+
+    def decode(tok: int, past: Any) -> tuple[int, Any]:
+        logits, past = session.step(torch.tensor([[tok]]), past)
+        return _argmax(logits), past
+
+    return Engine(name, label, prefill, decode)
+
+
+def pytorch_engine(model: torch.nn.Module) -> Engine:
+    """HF eager: one forward for the prompt, then one per token, with a DynamicCache."""
+    from transformers import DynamicCache
+
+    params = inspect.signature(model.forward).parameters
+    cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    def step(ids: Tensor, cache: Any) -> int:
+        with torch.inference_mode():
+            out = model(input_ids=ids, use_cache=True, **{cache_kw: cache})
+        return int(torch.argmax(out.logits[0, -1]))
+
+    def prefill(ids: list[int]) -> tuple[int, Any]:
+        cache = DynamicCache(config=model.config)
+        return step(torch.tensor([ids]), cache), cache
+
+    def decode(tok: int, cache: Any) -> tuple[int, Any]:
+        return step(torch.tensor([[tok]]), cache), cache
+
+    return Engine("pytorch", "PyTorch eager", prefill, decode)
+
+
+def dense_view(session: Any) -> Any:
+    """The artifact's dense reference (every FFN neuron) sharing the session's weights.
+
+    Same as ``picompile.load(art, dense=True)``, without a second copy of the weights: the graph is
+    copied, its buffers are the same tensors.
+    """
+    from picompile.runtime import Session
+    from picompile.runtime.loader import drop_masks
+
+    gm = fx.GraphModule(session.graph, copy.deepcopy(session.graph.graph))
+    return Session(session.root, session.manifest, drop_masks(gm), session.tokenizer)
+
+
+def ort_engine(source: str, cache_dir: Path, threads: int) -> Engine | str:
+    """ONNX Runtime on the same weights, or the reason it is skipped."""
+    try:
+        from picompile import ort_reference  # noqa: F401  (another module; may be absent)
+    except ImportError as e:
+        return f"picompile.ort_reference is not available ({e})"
+    try:
+        import onnxruntime  # noqa: F401
+    except ImportError:
+        return "onnxruntime is not installed"
+    try:
+        accepts_threads = "threads" in inspect.signature(ort_reference.OrtDenseSession).parameters
+        sess = ort_reference.OrtDenseSession(source, cache_dir, **({"threads": threads} if accepts_threads else {}))
+    except Exception as e:  # an optional extra never fails the benchmark
+        return f"could not set up ONNX Runtime: {type(e).__name__}: {e}"
+
+    def empty() -> Any:
+        return sess.empty_past() if hasattr(sess, "empty_past") else None
+
+    def prefill(ids: list[int]) -> tuple[int, Any]:
+        logits, past = sess.step([ids], empty())
+        return _argmax(logits), past
+
+    def decode(tok: int, past: Any) -> tuple[int, Any]:
+        logits, past = sess.step([[tok]], past)
+        return _argmax(logits), past
+
+    return Engine("onnxruntime", "ONNX Runtime", prefill, decode)
+
+
+def llama_cpp_engine(gguf: Path | None, n_ctx: int, threads: int) -> Engine | str:
+    """llama.cpp through llama-cpp-python on a GGUF file, or the reason it is skipped."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return "llama_cpp (llama-cpp-python) is not installed"
+    if gguf is None:
+        return ("no GGUF given: pass --gguf FILE (the same weights, e.g. converted with llama.cpp's "
+                "convert_hf_to_gguf.py; picompile does not convert)")
+    if not Path(gguf).is_file():
+        return f"GGUF file {gguf} does not exist"
+    try:
+        llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                              n_batch=max(n_ctx, 8), logits_all=False, verbose=False)
+    except Exception as e:
+        return f"llama.cpp could not load {gguf}: {type(e).__name__}: {e}"
+
+    def last() -> int:
+        return int(torch.argmax(torch.as_tensor(llm.scores[llm.n_tokens - 1])))
+
+    def prefill(ids: list[int]) -> tuple[int, Any]:
+        llm.reset()
+        llm.eval(ids)
+        return last(), None
+
+    def decode(tok: int, state: Any) -> tuple[int, Any]:
+        llm.eval([tok])
+        return last(), None
+
+    return Engine("llama.cpp", "llama.cpp (GGUF)", prefill, decode)
+
+
+# -- bytes per token -------------------------------------------------------------------------------
+def _op_name(target: object) -> str | None:
+    from picompile.ops import is_picompile_op
+
+    for name in FFN_OPS:
+        if is_picompile_op(target, name):
+            return name
+    return None
+
+
+def _attr(gm: fx.GraphModule, node: Any) -> Tensor | None:
+    if isinstance(node, fx.Node) and node.op == "get_attr":
+        obj: Any = gm
+        for part in str(node.target).split("."):
+            obj = getattr(obj, part)
+        return obj if isinstance(obj, Tensor) else None
+    return None
+
+
+def weight_bytes(gm: fx.GraphModule, active: dict[int, float] | None) -> dict[str, Any]:
+    """Weight bytes one decode token reads through ``gm``.
+
+    ``active``: per FFN layer, the fraction of neurons computed (``None``, or a layer missing: all of
+    them, as in a graph without masks). Returns {"total", "ffn", "ffn_full", "other"} in bytes.
+    """
+    uses: dict[int, float] = {}  # tensor start address -> bytes read (max over its uses)
+    ffn_ptrs: set[int] = set()
+    ffn_full = 0.0
+
+    def use(t: Tensor, nbytes: float, ffn: bool = False) -> None:
+        key = t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
+        uses[key] = max(uses.get(key, 0.0), float(nbytes))
+        if ffn:
+            ffn_ptrs.add(key)
+
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        op = _op_name(node.target)
+        if op is not None:
+            layer = int(node.args[7])
+            has_mask = len(node.args) > FFN_OPS[op] and node.args[FFN_OPS[op]] is not None
+            frac = (active or {}).get(layer, 1.0) if has_mask else 1.0
+            w_up = _attr(gm, node.args[1])
+            n_rows = int(w_up.shape[0]) if w_up is not None else 0
+            for pos in range(1, 6 if op == "ffn" else 5):
+                t = _attr(gm, node.args[pos]) if pos < len(node.args) else None
+                if t is None:
+                    continue
+                nbytes = t.numel() * t.element_size()
+                if op == "ffn" and pos == 4:  # w_down [d_model, n_neurons]: a column per neuron
+                    row_sparse = t.dim() == 2 and t.shape[1] == n_rows
+                elif op == "ffn" and pos == 5:  # down bias: read in full
+                    row_sparse = False
+                else:  # w_up, b_up, w_gate, w_down_t: a row per neuron
+                    row_sparse = t.shape[0] == n_rows
+                ffn_full += nbytes
+                use(t, nbytes * frac if row_sparse else nbytes, ffn=True)
+            continue
+        if node.target is torch.ops.aten.embedding.default:
+            t = _attr(gm, node.args[0])
+            if t is not None:
+                use(t, t.shape[-1] * t.element_size())  # one row per token
+            continue
+        for arg in list(node.args) + list(node.kwargs.values()):
+            t = _attr(gm, arg)
+            if t is not None:
+                use(t, t.numel() * t.element_size())
+    total = sum(uses.values())
+    ffn = sum(v for k, v in uses.items() if k in ffn_ptrs)
+    return {"total": total, "ffn": ffn, "ffn_full": ffn_full, "other": total - ffn}
+
+
+class _MaskCounter(fx.Interpreter):
+    """Runs a graph and counts, per FFN layer, the neurons its masks select (decode tokens)."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.selected: dict[int, int] = {}
+        self.rows: dict[int, int] = {}
+
+    def call_function(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        op = _op_name(target)
+        if op is not None and len(args) > FFN_OPS[op] and isinstance(args[FFN_OPS[op]], Tensor):
+            layer = int(args[7])
+            mask = args[FFN_OPS[op]]
+            self.selected[layer] = self.selected.get(layer, 0) + int(mask.sum())
+            self.rows[layer] = self.rows.get(layer, 0) + int(mask.numel())
+        return super().call_function(target, args, kwargs)
+
+
+def measured_active(session: Any, prompt: list[int], n: int) -> dict[int, float]:
+    """Per FFN layer, the fraction of neurons the masks select over ``n`` greedy decode steps after ``prompt``."""
+    logits, past = session.step(torch.tensor([prompt]), session.empty_past())
+    tok = _argmax(logits)
+    counter = _MaskCounter(session.graph)
+    with torch.inference_mode():
+        for _ in range(n):
+            out = counter.run(torch.tensor([[tok]]), *past)
+            tok, past = _argmax(out[0][0]), tuple(out[1:])
+    return {layer: counter.selected[layer] / counter.rows[layer] for layer in counter.rows if counter.rows[layer]}
+
+
+def manifest_active(manifest: Any) -> dict[int, float] | None:
+    out = {}
+    for layer in manifest.layers:
+        for key in ("predicted_active", "true_active"):
+            if layer.get(key) is not None:
+                out[int(layer["index"])] = float(layer[key])
+                break
+    return out or None
+
+
+def kv_bytes(session: Any, context: float) -> float:
+    """KV-cache bytes one decode step reads at ``context`` past tokens (float32)."""
+    return float(session.n_past * session.kv_heads * session.head_dim * 4 * context)
+
+
+def copy_bandwidth(src: Tensor, dst: Tensor) -> float:
+    """Bytes per second of ``dst.copy_(src)``, counting read + write."""
+    t0 = time.perf_counter()
+    dst.copy_(src)
+    return 2 * src.numel() * src.element_size() / (time.perf_counter() - t0)
+
+
+# -- the benchmark ---------------------------------------------------------------------------------
+def run_bench(
+    artifact: str | Path,
+    tokens: int = 32,
+    prompt_len: int = 64,
+    repeats: int = 5,
+    threads: int | None = None,
+    *,
+    dense_artifact: bool = True,
+    extras: bool = True,
+    gguf: Path | None = None,
+    copy_mib: int = 256,
+    seed: int = 0,
+    mask_tokens: int = 8,
+    emit: Callable[[str], None] = lambda s: None,
+) -> dict[str, Any]:
+    """Measure ``artifact`` against dense PyTorch eager; return the result dict (see the module doc)."""
+    import picompile
+    from picompile.config import default_cache_dir
+    from picompile.frontend import load_model
+
+    if tokens < 1 or prompt_len < 1 or repeats < 1:
+        raise PicompileError(f"--tokens, --prompt-len and --repeats must be >= 1, got {tokens}, {prompt_len}, {repeats}")
+    if copy_mib < 1:
+        raise PicompileError(f"--copy-mib must be >= 1, got {copy_mib}")
+    threads = threads or _default_threads()
+    if threads < 1:
+        raise PicompileError(f"--threads must be >= 1, got {threads}")
+    load_before = os.getloadavg()
+    torch.set_num_threads(threads)
+    emit(f"loading {artifact}")
+    session = picompile.load(artifact)
+    manifest = session.manifest
+    if manifest.sections.get("kernels"):
+        from picompile.kernels import set_num_threads
+
+        set_num_threads(threads)
+    if prompt_len + tokens > session.max_seq_len:
+        raise PicompileError(f"--prompt-len {prompt_len} + --tokens {tokens} exceed this artifact's context "
+                             f"({session.max_seq_len} tokens)")
+    source = str(manifest.model.get("source") or "")
+    if not source or not Path(source).exists():
+        raise PicompileError(f"the artifact's source model {source!r} is not present here; the PyTorch baseline needs it")
+    emit(f"loading the PyTorch baseline {source}")
+    model, _info = load_model(source)
+    model = model.eval()
+    engines = [session_engine("picompile", "picompile", session)]
+    dense_session = dense_view(session) if dense_artifact else None
+    if dense_session is not None:
+        engines.append(session_engine("picompile-dense", "picompile dense=True", dense_session))
+    engines.append(pytorch_engine(model))
+    skipped: dict[str, str] = {}
+    if extras:
+        for name, made in (("onnxruntime", lambda: ort_engine(source, default_cache_dir(), threads)),
+                           ("llama.cpp", lambda: llama_cpp_engine(gguf, prompt_len + tokens + 8, threads))):
+            emit(f"setting up {name}")
+            eng = made()
+            if isinstance(eng, str):
+                skipped[name] = eng
+            else:
+                engines.append(eng)
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, session.vocab_size, (prompt_len,), generator=gen).tolist()
+
+    src = torch.ones(copy_mib << 18)  # float32: copy_mib MiB
+    dst = torch.zeros_like(src)
+    failed: dict[str, str] = {}
+
+    def run(eng: Engine, n: int, record: bool = True) -> None:
+        try:
+            eng.run(prompt, n, record=record)
+        except Exception as e:
+            if eng.name not in OPTIONAL:  # optional extras never fail the benchmark
+                raise
+            failed[eng.name] = f"{type(e).__name__}: {e}"
+            engines.remove(eng)
+
+    emit("warm-up round")
+    for eng in list(engines):
+        run(eng, min(tokens, 2), record=False)
+    copy_bandwidth(src, dst)
+    bandwidth: list[float] = []
+    for r in range(repeats):
+        emit(f"round {r + 1}/{repeats}")
+        for eng in list(engines if r % 2 == 0 else engines[::-1]):
+            run(eng, tokens)
+        bandwidth.append(copy_bandwidth(src, dst))
+    del src, dst
+
+    emit("counting the neurons the masks select")
+    active = measured_active(session, prompt, min(tokens, mask_tokens)) if mask_tokens > 0 else {}
+    from_manifest = manifest_active(manifest)
+    used = active or from_manifest
+    sparse_w = weight_bytes(session.graph, used)
+    dense_w = weight_bytes((dense_session or dense_view(session)).graph, None)
+    kv = kv_bytes(session, prompt_len + (tokens - 1) / 2)
+    bw = statistics.median(bandwidth)
+    rates = {eng.name: eng.rates(prompt_len, tokens) for eng in engines}
+    pf, dc = rates["picompile"]
+    dpf, ddc = rates["pytorch"]
+    bytes_tok = sparse_w["total"] + kv
+    dense_bytes = dense_w["total"] + kv
+    result: dict[str, Any] = {
+        "artifact": str(artifact),
+        "source": source,
+        "synthetic": bool(manifest.model.get("config", {}).get("picompile_synthetic")),
+        "decode_tokens_per_s": dc,
+        "dense_decode_tokens_per_s": ddc,
+        "decode_speedup": dc / ddc,
+        "prefill_tokens_per_s": pf,
+        "dense_prefill_tokens_per_s": dpf,
+        "prefill_speedup": pf / dpf,
+        "bytes_per_token": bytes_tok,
+        "bound_tokens_per_s": bw / bytes_tok,
+        "bandwidth_gbs": bw / 1e9,
+        "dense_bytes_per_token": dense_bytes,
+        "dense_bound_tokens_per_s": bw / dense_bytes,
+        "kv_bytes_per_token": kv,
+        "ffn_bytes_per_token": sparse_w["ffn"],
+        "ffn_bytes_dense": sparse_w["ffn_full"],
+        "other_bytes_per_token": sparse_w["other"],
+        "ffn_active_fraction": _mean(active) if active else None,
+        "ffn_active_fraction_manifest": _mean(from_manifest) if from_manifest else None,
+        "active_source": "measured masks" if active else ("manifest predicted_active" if from_manifest else "none (dense)"),
+        "engines": {eng.name: {"label": eng.label, "prefill_tokens_per_s": rates[eng.name][0],
+                               "decode_tokens_per_s": rates[eng.name][1],
+                               "decode_vs_pytorch": rates[eng.name][1] / ddc,
+                               "prefill_vs_pytorch": rates[eng.name][0] / dpf,
+                               # best round: less sensitive to other processes than the median
+                               "best_prefill_tokens_per_s": prompt_len / min(eng.prefill_s),
+                               "best_decode_tokens_per_s": tokens / min(eng.decode_s),
+                               "prefill_s": eng.prefill_s, "decode_s": eng.decode_s}
+                    for eng in engines},
+        "best_decode_speedup": min(_by_name(engines, "pytorch").decode_s) / min(engines[0].decode_s),
+        "skipped": {**skipped, **{k: f"failed: {v}" for k, v in failed.items()}},
+        "same_tokens_as_pytorch": _common_prefix(engines[0].tokens, _by_name(engines, "pytorch").tokens),
+        "tokens": tokens,
+        "prompt_len": prompt_len,
+        "repeats": repeats,
+        "threads": threads,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "kernels": bool(manifest.sections.get("kernels")),
+        "bandwidth_samples_gbs": [b / 1e9 for b in bandwidth],
+        "load_average": [load_before[0], os.getloadavg()[0]],
+        "target": manifest.target.get("name"),
+        "predictor": manifest.build.get("predictor"),
+    }
+    if dense_artifact:
+        apf, adc = rates["picompile-dense"]
+        result["artifact_dense_decode_tokens_per_s"] = adc
+        result["artifact_dense_prefill_tokens_per_s"] = apf
+    return result
+
+
+def _by_name(engines: list[Engine], name: str) -> Engine:
+    return next(e for e in engines if e.name == name)
+
+
+def _mean(d: dict[int, float]) -> float:
+    return sum(d.values()) / len(d)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _default_threads() -> int:
+    try:
+        from picompile.kernels import physical_cores
+
+        return int(physical_cores())
+    except Exception:
+        return os.cpu_count() or 1
+
+
+# -- printing --------------------------------------------------------------------------------------
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.3f} GB" if x >= 1e8 else f"{x / 1e6:.3f} MB"
+
+
+def print_report(result: dict[str, Any], console: Any | None = None) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = console or Console(highlight=False)
+    title = escape(f"{result['artifact']}  (threads {result['threads']}, prompt {result['prompt_len']}, "
+             f"decode {result['tokens']} tokens, {result['repeats']} interleaved rounds, medians)")
+    table = Table(title=title, title_justify="left")
+    for col in ("engine", "prefill tok/s", "decode tok/s", "prefill vs PyTorch", "decode vs PyTorch", "best decode tok/s"):
+        table.add_column(col, justify="left" if col == "engine" else "right")
+    for eng in result["engines"].values():
+        table.add_row(escape(eng["label"]), f"{eng['prefill_tokens_per_s']:.2f}", f"{eng['decode_tokens_per_s']:.2f}",
+                      f"{eng['prefill_vs_pytorch']:.2f}x", f"{eng['decode_vs_pytorch']:.2f}x",
+                      f"{eng['best_decode_tokens_per_s']:.2f}")
+    console.print(table)
+    for name, why in result["skipped"].items():
+        console.print(escape(f"{name}: skipped ({why})"))
+    act = result["ffn_active_fraction"] if result["ffn_active_fraction"] is not None else result["ffn_active_fraction_manifest"]
+    console.print(
+        f"bytes/token: {_gb(result['bytes_per_token'])} (FFN {_gb(result['ffn_bytes_per_token'])} of "
+        f"{_gb(result['ffn_bytes_dense'])} dense, masks select {'%.1f%%' % (100 * act) if act is not None else 'all'} "
+        f"of the neurons ({result['active_source']}); other weights {_gb(result['other_bytes_per_token'])}, "
+        f"KV {_gb(result['kv_bytes_per_token'])}); dense {_gb(result['dense_bytes_per_token'])}")
+    console.print(
+        f"copy bandwidth {result['bandwidth_gbs']:.2f} GB/s → bound {result['bound_tokens_per_s']:.2f} tok/s "
+        f"(dense bound {result['dense_bound_tokens_per_s']:.2f}); picompile decode reaches "
+        f"{result['decode_tokens_per_s'] / result['bound_tokens_per_s']:.0%} of its bound")
+    console.print(f"[dim]greedy tokens equal to PyTorch's: first {result['same_tokens_as_pytorch']} of "
+                  f"{result['tokens'] + 1}; load average {result['load_average'][0]:.2f} → {result['load_average'][1]:.2f}"
+                  f"{'; SYNTHETIC model' if result['synthetic'] else ''}[/dim]")
+    if result["kernels"] and (result["omp_wait_policy"] or "").upper() != "PASSIVE":
+        console.print(f"[dim]note: OMP_WAIT_POLICY={result['omp_wait_policy']}: torch's OpenMP workers spin after "
+                      "each op and take the cores the TVM kernels need (picompile defaults it to PASSIVE)[/dim]")
+
+
+# -- command line ----------------------------------------------------------------------------------
+def add_subcommand(sub: Any) -> None:
+    p = sub.add_parser("bench", help="decode / prefill speed of an artifact vs dense PyTorch eager",
+                       description=__doc__.splitlines()[0])
+    p.add_argument("artifact")
+    p.add_argument("--tokens", type=int, default=32, metavar="N", help="decode steps per round (default 32)")
+    p.add_argument("--prompt-len", type=int, default=64, metavar="P", help="prompt tokens (default 64)")
+    p.add_argument("--repeats", type=int, default=5, metavar="R", help="timed interleaved rounds (default 5)")
+    p.add_argument("--threads", type=int, metavar="T", help="torch and TVM threads (default: physical cores)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--no-dense-artifact", action="store_true", help="skip the load(dense=True) column")
+    p.add_argument("--no-extras", action="store_true", help="skip ONNX Runtime and llama.cpp")
+    p.add_argument("--gguf", metavar="FILE", help="GGUF of the same weights for the llama.cpp column")
+    p.add_argument("--copy-mib", type=int, default=256, metavar="MIB", help="bandwidth copy buffer (default 256)")
+    p.add_argument("--mask-tokens", type=int, default=8, metavar="N",
+                   help="decode steps whose masks are counted for bytes/token (0: use the manifest)")
+    p.set_defaults(fn=cmd_bench)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    err = Console(stderr=True, highlight=False)
+    with err.status("benchmarking") as status:
+        result = run_bench(args.artifact, args.tokens, args.prompt_len, args.repeats, args.threads,
+                           dense_artifact=not args.no_dense_artifact, extras=not args.no_extras,
+                           gguf=Path(args.gguf) if args.gguf else None, copy_mib=args.copy_mib,
+                           mask_tokens=args.mask_tokens, emit=lambda s: status.update(s))
+    if args.json:
+        sys.stdout.write(json.dumps(result) + "\n")
+    else:
+        print_report(result)
+    return 0

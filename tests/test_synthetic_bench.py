@@ -1,0 +1,120 @@
+"""Synthetic activation-sparse checkpoints (picompile.synthetic) and ``picompile bench`` on a tiny artifact."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import picompile
+from picompile.bench import REQUIRED_KEYS, llama_cpp_engine, weight_bytes
+from picompile.cli import main
+from picompile.profile_stats import locality
+from picompile.synthetic import (
+    CARD_FILE,
+    make_synthetic,
+    measure_sparsity,
+    power_law_frequencies,
+    synthetic_params_of,
+)
+
+TINY = ("tiny-llama-relu", "tiny-opt")
+
+
+@pytest.fixture(scope="module")
+def synth(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("synthetic")
+    return {shape: make_synthetic(shape, root / shape) for shape in TINY}
+
+
+@pytest.fixture(scope="module")
+def tiny_artifact(synth: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # oracle masks: no predictor training (fast), still the sparse TVM kernels at decode
+    return picompile.build(synth["tiny-llama-relu"], target="cpu", output=tmp_path_factory.mktemp("art") / "t.pic",
+                           predictor="oracle", calibration_tokens=256, emit=lambda s: None)
+
+
+def test_power_law_hits_targets() -> None:
+    p, _a, alpha = power_law_frequencies(5632, active=0.1, locality=0.26)
+    assert p.mean() == pytest.approx(0.1, abs=1e-3)
+    assert locality(p) == pytest.approx(0.26, abs=0.01)
+    assert alpha > 0 and p.max() <= 0.95 and p.min() > 0
+
+
+@pytest.mark.parametrize("shape", TINY)
+def test_synthetic_is_sparse_and_local(synth: dict[str, Path], shape: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    path = synth[shape]
+    meta = synthetic_params_of(path)
+    assert meta is not None and meta["synthetic"] is True and meta["shape"] == shape and meta["active"] == 0.1
+    assert (path / CARD_FILE).read_text().startswith("# SYNTHETIC")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert type(model).__name__ == ("LlamaForCausalLM" if "llama" in shape else "OPTForCausalLM")
+    rows = measure_sparsity(model, n_tokens=512, seed=123)  # tokens other than the generator's
+    assert len(rows) == 2
+    for row in rows:
+        assert row["active"] == pytest.approx(0.1, abs=0.05), row
+        assert row["locality"] < 0.45, row  # uniform firing would give 0.8
+    # reused, not regenerated, when asked again with the same parameters
+    stamp = (path / "config.json").stat().st_mtime_ns
+    assert make_synthetic(shape, path) == path
+    assert (path / "config.json").stat().st_mtime_ns == stamp
+
+
+def test_bench_json(tiny_artifact: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", str(tiny_artifact), "--tokens", "4", "--repeats", "2", "--json", "--threads", "1",
+                 "--prompt-len", "16", "--no-extras", "--copy-mib", "64"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in REQUIRED_KEYS:
+        assert isinstance(out[key], float) and out[key] > 0, key
+    assert out["decode_speedup"] == pytest.approx(out["decode_tokens_per_s"] / out["dense_decode_tokens_per_s"])
+    assert out["prefill_speedup"] == pytest.approx(out["prefill_tokens_per_s"] / out["dense_prefill_tokens_per_s"])
+    assert out["bound_tokens_per_s"] == pytest.approx(out["bandwidth_gbs"] * 1e9 / out["bytes_per_token"])
+    assert out["artifact_dense_decode_tokens_per_s"] > 0
+    # oracle masks: about the synthetic active fraction of the FFN rows, fewer bytes than dense, same tokens
+    assert out["ffn_active_fraction"] == pytest.approx(0.1, abs=0.07)
+    assert out["bytes_per_token"] < out["dense_bytes_per_token"]
+    assert out["same_tokens_as_pytorch"] == 5
+    assert set(out["engines"]) == {"picompile", "picompile-dense", "pytorch"}
+    assert out["synthetic"] is True
+
+
+def test_bench_bytes_dense_graph_counts_every_row(tiny_artifact: Path) -> None:
+    from picompile.bench import dense_view
+
+    session = picompile.load(tiny_artifact)
+    dense = weight_bytes(dense_view(session).graph, None)
+    assert dense["ffn"] == dense["ffn_full"] == 2 * 3 * 1024 * 128 * 4  # 2 layers, up/gate/down, float32
+    half = weight_bytes(session.graph, {0: 0.5, 1: 0.5})
+    assert half["ffn"] < dense["ffn"]
+
+
+def test_bench_user_errors(tiny_artifact: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", str(tiny_artifact), "--prompt-len", "100000", "--no-extras"]) == 2
+    assert "context" in capsys.readouterr().err
+    assert main(["bench", str(tiny_artifact) + "-missing"]) == 2
+
+
+def test_llama_cpp_skips_cleanly() -> None:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        reason = llama_cpp_engine(None, 64, 1)
+        assert isinstance(reason, str) and "not installed" in reason
+    else:
+        assert isinstance(llama_cpp_engine(None, 64, 1), str)  # no GGUF given
+
+
+def test_synthetic_rejects_bad_input(tmp_path: Path) -> None:
+    from picompile.errors import PicompileError
+
+    with pytest.raises(PicompileError, match="unknown synthetic shape"):
+        make_synthetic("gpt-5", tmp_path / "x")
+    with pytest.raises(PicompileError, match="locality"):
+        power_law_frequencies(1024, active=0.1, locality=0.9)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "keep.txt").write_text("not a checkpoint")
+    with pytest.raises(PicompileError, match="refusing"):
+        make_synthetic("tiny-opt", tmp_path / "other")
