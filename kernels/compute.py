@@ -22,6 +22,7 @@ per call instead of two) and writes no shared output. Blocks: ``up``/``gate``/``
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from tvm import te, tirx
 
@@ -64,6 +65,22 @@ def _activation(act: str, v: tirx.PrimExpr) -> tirx.PrimExpr:
     return v
 
 
+def _gate_and_bias(
+    spec: KernelSpec, tensors: dict[str, te.Tensor], dot: Callable[[te.Tensor, str], te.Tensor]
+) -> tuple[te.Tensor | None, te.Tensor | None]:
+    """The optional inputs of the up part: gate rows (→ their dot products) and the up bias."""
+    n, d, wdt = spec.n_rows, spec.d_model, spec.weight_dtype
+    gate = b_up = None
+    if spec.gated:
+        w_gate = te.placeholder((n, d), wdt, name="w_gate")  # [n_rows, d_model]
+        tensors["w_gate"] = w_gate
+        gate = dot(w_gate, "gate")
+    if spec.has_bias:
+        b_up = te.placeholder((n,), wdt, name="b_up")  # [n_rows]
+        tensors["b_up"] = b_up
+    return gate, b_up
+
+
 def describe(spec: KernelSpec, batched: bool = False) -> KernelDesc:
     """TE description of ``spec`` → PrimFunc with symbolic ``k`` (and ``t`` when batched)."""
     d, n, wdt = spec.d_model, spec.n_rows, spec.weight_dtype
@@ -91,15 +108,7 @@ def describe(spec: KernelSpec, batched: bool = False) -> KernelDesc:
             )  # [t?, k]
 
         up = _dot(w_up, "up")
-        gate = None
-        if spec.gated:
-            w_gate = te.placeholder((n, d), wdt, name="w_gate")  # [n_rows, d_model]
-            tensors["w_gate"] = w_gate
-            gate = _dot(w_gate, "gate")
-        b_up = None
-        if spec.has_bias:
-            b_up = te.placeholder((n,), wdt, name="b_up")  # [n_rows]
-            tensors["b_up"] = b_up
+        gate, b_up = _gate_and_bias(spec, tensors, _dot)
 
         def _h(*ij: tirx.Var) -> tirx.PrimExpr:
             j = ij[-1]
@@ -163,15 +172,7 @@ def describe_partitioned(spec: KernelSpec, partitions: int, batched: bool = Fals
         )  # [P, S, t?]
 
     up = _dot(w_up, "up")
-    gate = None
-    if spec.gated:
-        w_gate = te.placeholder((n, d), wdt, name="w_gate")  # [n_rows, d_model]
-        tensors["w_gate"] = w_gate
-        gate = _dot(w_gate, "gate")
-    b_up = None
-    if spec.has_bias:
-        b_up = te.placeholder((n,), wdt, name="b_up")  # [n_rows]
-        tensors["b_up"] = b_up
+    gate, b_up = _gate_and_bias(spec, tensors, _dot)
     zero = tirx.const(0.0, f32)
 
     def _h(p: tirx.Var, jj: tirx.Var, *tt: tirx.Var) -> tirx.PrimExpr:

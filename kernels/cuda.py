@@ -48,22 +48,18 @@ class CudaScheduleParams:
     down_slices: int  # row slices of the down part (blockIdx.y); partial sums reduced afterwards
 
 
+def _vec_threads(d: int) -> tuple[int, int]:
+    """Widest vector width (4 lanes: x is float32, 16-byte loads) and most threads that divide d."""
+    for vec in (4, 2, 1):
+        found = [t for t in (128, 64, 32) if d % (t * vec) == 0]
+        if found:
+            return vec, found[0]
+    return 1, 32
+
+
 def default_params(spec: KernelSpec) -> CudaScheduleParams:
-    d = spec.d_model
-    # 4 lanes: x is float32, so 4 is the widest load of x (16 bytes); fp16 weights load as 8 bytes
-    up_vec, up_threads = 1, 32
-    for vec in (4, 2, 1):
-        found = [t for t in (128, 64, 32) if d % (t * vec) == 0]
-        if found:
-            up_vec, up_threads = vec, found[0]
-            break
-    down_vec, down_threads = 1, 32
-    for vec in (4, 2, 1):
-        found = [t for t in (128, 64, 32) if d % (t * vec) == 0]
-        if found:
-            down_vec, down_threads = vec, found[0]
-            break
-    return CudaScheduleParams(up_vec, up_threads, down_vec, down_threads, down_slices=32)
+    vec, threads = _vec_threads(spec.d_model)  # the up and the down part split d_model alike
+    return CudaScheduleParams(vec, threads, vec, threads, down_slices=32)
 
 
 def cuda_target(spec: KernelSpec) -> tvm.target.Target:

@@ -41,7 +41,7 @@ class FlatDecoder(torch.nn.Module):
 def example_inputs(ctx: BuildContext, seq: int = 3, past_len: int = 4) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     info = ctx.info
     ids = torch.zeros(1, seq, dtype=torch.long)  # [1, seq]
-    past = tuple(torch.zeros(1, info.n_kv_heads, past_len, info.head_dim) for _ in range(2 * info.n_layers))
+    past = info.kv_tensors(past_len)
     return ids, past
 
 

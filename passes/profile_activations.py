@@ -65,12 +65,10 @@ def profile_activations(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule
     ids, corpus = load_calibration(cfg.calibration, ctx.tokenizer, ctx.info.vocab_size, cfg.calibration_tokens, cfg.seed)
     window = min(ctx.max_seq_len, 256)
     chunks = [ids[i : i + window] for i in range(0, ids.numel(), window)]
-    n_past = 2 * ctx.info.n_layers
     recorder = _FFNInputs(gm)
     with torch.no_grad():
         for chunk in ctx.track(chunks, "profiling activations"):
-            empty = [torch.zeros(1, ctx.info.n_kv_heads, 0, ctx.info.head_dim) for _ in range(n_past)]
-            recorder.run(chunk.unsqueeze(0), *empty)
+            recorder.run(chunk.unsqueeze(0), *ctx.info.kv_tensors())
     nodes = ffn_nodes(gm)
     ctx.calibration = {}
     tensors: dict[str, torch.Tensor] = {}

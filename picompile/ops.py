@@ -185,20 +185,14 @@ def tvm_sparse_ffn(
     if kern is None:
         raise RuntimeError(f"TVM kernel {kernel} (layer {layer}, {part} part) is not loaded")
     idx = _all_rows(w_up.shape[0]) if mask is None else mask.reshape(-1).nonzero().squeeze(1).to(torch.int32)
-    xv = x.reshape(d)
-    if xv.data_ptr() % 64 or not xv.is_contiguous():
-        xv = _aligned_copy(xv)
-    y = torch.empty(d, dtype=torch.float32)
+    from picompile.kernels import aligned_empty, as_aligned
+
+    xv = as_aligned(x.reshape(d))  # x itself when contiguous and 64-byte aligned (the usual case)
+    y = torch.empty(d, dtype=torch.float32)  # [d_model]; torch's CPU allocator aligns to 64 bytes …
     if y.data_ptr() % 64:
-        y = _aligned_copy(y)
+        y = aligned_empty(d)  # … and this is the fallback should it not
     kern.unchecked(xv, w_up, w_gate, b_up, w_down_t, idx, y)  # type: ignore[attr-defined]
     return y.reshape(x.shape)
-
-
-def _aligned_copy(t: Tensor) -> Tensor:
-    from picompile.kernels import as_aligned
-
-    return as_aligned(t.contiguous().clone() if t.data_ptr() % 64 == 0 else t)
 
 
 @tvm_sparse_ffn.register_fake

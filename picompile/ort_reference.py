@@ -64,7 +64,7 @@ def export_dense_onnx(source: str | Path, out: Path) -> dict[str, Any]:
     wrapper = FlatDecoder(model.eval(), info.n_layers).eval()
     n_past = 2 * info.n_layers
     ids = torch.zeros(1, 2, dtype=torch.long)  # seq 2, past 4: neither is specialised to 0 or 1
-    past = tuple(torch.zeros(1, info.n_kv_heads, 4, info.head_dim) for _ in range(n_past))
+    past = info.kv_tensors(4)
     seq_dim = torch.export.Dim("seq", min=1, max=info.max_seq_len)
     past_dim = torch.export.Dim("past", min=0, max=info.max_seq_len)
     inputs, outputs = io_names(n_past)

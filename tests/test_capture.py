@@ -22,7 +22,7 @@ def test_capture_flat_kv_graph(key: tuple[str, str], checkpoints: dict, tmp_path
     assert not any(n.op == "call_module" for n in gm.graph.nodes)
 
     ids = torch.tensor([[3, 9, 27, 81, 11]])
-    empty = tuple(torch.zeros(1, ctx.info.n_kv_heads, 0, ctx.info.head_dim) for _ in range(n_past))
+    empty = ctx.info.kv_tensors()
     with torch.no_grad():
         logits, *present = gm(ids, *empty)
         ref = ctx.model(ids).logits

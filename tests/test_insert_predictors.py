@@ -13,7 +13,7 @@ PREFIX = ["capture", "canonicalize-ffn", "profile-activations", "train-predictor
 
 
 def _logits(gm: torch.fx.GraphModule, ctx, ids: list[int]) -> torch.Tensor:
-    empty = [torch.zeros(1, ctx.info.n_kv_heads, 0, ctx.info.head_dim) for _ in range(2 * ctx.info.n_layers)]
+    empty = ctx.info.kv_tensors()
     with torch.no_grad():
         return gm(torch.tensor([ids]), *empty)[0][0]
 

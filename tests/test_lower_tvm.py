@@ -17,7 +17,7 @@ PREFIX = ["capture", "canonicalize-ffn", "profile-activations", "train-predictor
 
 
 def _decode(gm: torch.fx.GraphModule, ctx, ids: list[int]) -> torch.Tensor:
-    past = [torch.zeros(1, ctx.info.n_kv_heads, 0, ctx.info.head_dim) for _ in range(2 * ctx.info.n_layers)]
+    past = ctx.info.kv_tensors()
     outs = []
     with torch.no_grad():
         out = gm(torch.tensor([ids[:3]]), *past)  # prefill: several tokens, the dense masked path

@@ -14,7 +14,7 @@ PREFIX = ["capture", "canonicalize-ffn", "profile-activations", "train-predictor
 
 def _decode(gm: torch.fx.GraphModule, ctx, ids: list[int]) -> torch.Tensor:
     """Prefill ids[:-1], then one decode step: exercises both the batched and the one-token path."""
-    past = [torch.zeros(1, ctx.info.n_kv_heads, 0, ctx.info.head_dim) for _ in range(2 * ctx.info.n_layers)]
+    past = ctx.info.kv_tensors()
     with torch.no_grad():
         out = gm(torch.tensor([ids[:-1]]), *past)
         step = gm(torch.tensor([ids[-1:]]), *out[1:])

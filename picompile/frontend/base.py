@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -22,6 +25,12 @@ class ModelInfo:
     head_dim: int
     tokenizer: dict[str, Any] | None = None  # tokenizer source: {"kind": "hf"|"llama2c", "path": str}
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def kv_tensors(self, past_len: int = 0) -> tuple["torch.Tensor", ...]:
+        """Zero past K/V tensors, [1, n_kv_heads, past_len, head_dim] × 2 per layer (past_len 0 = prefill)."""
+        import torch
+
+        return tuple(torch.zeros(1, self.n_kv_heads, past_len, self.head_dim) for _ in range(2 * self.n_layers))
 
     def to_json(self) -> dict[str, Any]:
         return {
