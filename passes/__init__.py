@@ -1,7 +1,9 @@
 """picompile's passes, one per file; importing this package registers them all (see picompile.pipeline)."""
 from picompile.passes import (  # noqa: F401
+    allocate_sparsity,
     canonicalize_ffn,
     capture,
+    fold_kv_repeat,
     insert_predictors,
     lower_tvm,
     package,

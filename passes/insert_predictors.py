@@ -1,5 +1,5 @@
 """insert-predictors: ffn(x, …) → ffn(x, …, mask=predict(x, fc1, fc2, threshold))   (trained)
-                   or ffn(x, …, mask=oracle_mask(x, w_decider, …))                  (--predictor oracle);
+                   or ffn(x, …, mask=oracle_mask(x, w_decider, …[, w_up]))          (--predictor oracle);
 --predictor none leaves the graph dense.
 """
 from __future__ import annotations
@@ -46,9 +46,10 @@ def insert_predictors(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
             cal = ctx.calibration.get(layer.index)
             threshold = 0.0 if cal is None else float(cal.threshold)
             w, b = (w_gate, None) if w_gate is not None else (w_up, b_up)
+            product = w_gate is not None and layer.act != "relu" and ctx.config.act_criterion == "product"
             with gm.graph.inserting_before(node):
                 mask = gm.graph.call_function(torch.ops.picompile.oracle_mask.default,
-                                              (x, w, b, layer.act, threshold, layer.index))
+                                              (x, w, b, layer.act, threshold, layer.index, w_up if product else None))
         args = list(node.args) + [None] * (MASK_ARG + 1 - len(node.args))
         args[MASK_ARG] = mask
         node.args = tuple(args)

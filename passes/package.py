@@ -17,6 +17,11 @@ from picompile.passes.registry import register_pass
 
 GRAPH_FILE = "graph.pt2"
 WEIGHTS_FILE = "weights.safetensors"
+# build options that shape the artifact, recorded in the manifest ("build") so that it can be rebuilt alike
+RECORDED_OPTIONS: tuple[str, ...] = (
+    "predictor", "seed", "calibration_tokens", "act_sparsity", "act_criterion", "sparsity_allocation", "allocation_step",
+    "allocation_tokens", "recall_target", "predictor_budget", "predictor_epochs", "placement_batch", "min_layer_neurons",
+)
 
 
 def lift_weights(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[str], dict[str, torch.Tensor]]:
@@ -77,8 +82,8 @@ def package(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
         model=ctx.info.to_json(),
         target=ctx.target.to_json(),
         build={
-            "max_seq_len": ctx.max_seq_len, "predictor": ctx.config.predictor, "seed": ctx.config.seed,
-            "act_sparsity": ctx.config.act_sparsity, "recall_target": ctx.config.recall_target,
+            "max_seq_len": ctx.max_seq_len,
+            **{name: getattr(ctx.config, name) for name in RECORDED_OPTIONS},
             "pass_seconds": {name: round(t, 3) for name, t in ctx.pass_times.items()},
         },
         pipeline=list(ctx.pipeline),

@@ -10,13 +10,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import fx
 
 from picompile.calibration import load_calibration
 from picompile.context import BuildContext
 from picompile.graph import get_tensor
-from picompile.ops import apply_act, is_picompile_op
+from picompile.ops import activation_score, is_picompile_op
 from picompile.passes.registry import register_pass
 from picompile.profile_stats import LayerProfile
 
@@ -51,12 +51,27 @@ def ffn_nodes(gm: fx.GraphModule) -> dict[int, fx.Node]:
     return {int(n.args[7]): n for n in gm.graph.nodes if n.op == "call_function" and is_picompile_op(n.target, "ffn")}
 
 
-def decider_weights(gm: fx.GraphModule, node: fx.Node) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The rows whose activation decides if a neuron fires: gate for gated FFNs, else up (with bias)."""
-    x, w_up, b_up, w_gate = node.args[:4]
+@dataclass
+class Decider:
+    """What decides if a neuron of one FFN fires: ``activation_score(x, w, b, act, w_mul) > threshold``."""
+
+    w: torch.Tensor  # [n_neurons, d_model] gate rows for gated FFNs, else up rows
+    b: torch.Tensor | None  # [n_neurons] up bias of a plain MLP
+    act: str
+    w_mul: torch.Tensor | None  # [n_neurons, d_model] up rows: the product criterion (gated, non-ReLU), else None
+
+    def score(self, x: torch.Tensor) -> torch.Tensor:  # [N, d_model] -> [N, n_neurons]
+        return activation_score(x, self.w, self.b, self.act, self.w_mul)
+
+
+def decider_of(gm: fx.GraphModule, node: fx.Node, criterion: str = "gate") -> Decider:
+    """Gate rows for gated FFNs (times the up rows for non-ReLU ones under the "product" criterion), else the
+    up rows with their bias."""
+    x, w_up, b_up, w_gate, _, _, act = node.args[:7]
     if w_gate is not None:
-        return get_tensor(gm, w_gate), None
-    return get_tensor(gm, w_up), None if b_up is None else get_tensor(gm, b_up)
+        product = criterion == "product" and act != "relu"
+        return Decider(get_tensor(gm, w_gate), None, str(act), get_tensor(gm, w_up) if product else None)
+    return Decider(get_tensor(gm, w_up), None if b_up is None else get_tensor(gm, b_up), str(act), None)
 
 
 @register_pass("profile-activations")
@@ -75,9 +90,8 @@ def profile_activations(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule
     for layer in ctx.ffn_layers:
         node = nodes[layer.index]
         x = torch.cat(recorder.inputs[layer.index])  # [N, d_model]
-        w, b = decider_weights(gm, node)
         with torch.no_grad():
-            a = apply_act(torch.nn.functional.linear(x, w, b), layer.act).abs()  # [N, n_neurons]
+            a = decider_of(gm, node, cfg.act_criterion).score(x)  # [N, n_neurons]
         threshold = 0.0 if layer.act == "relu" else float(torch.quantile(a.flatten()[: 1 << 24].float(), cfg.act_sparsity))
         mask = a > threshold
         prof = LayerProfile.from_mask(mask.numpy(), name=layer.module)
@@ -86,7 +100,17 @@ def profile_activations(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule
         tensors[f"layer{layer.index}.counts"] = torch.as_tensor(np.asarray(prof.counts, dtype=np.int64))
     tensors["n_tokens"] = torch.tensor([int(ids.numel())], dtype=torch.int64)
     save_file(tensors, str(ctx.staging_dir / PROFILE_FILE))
+    ctx.calibration_ids = ids
     ctx.manifest_extra["profile"] = {"file": PROFILE_FILE, "corpus": corpus, "n_tokens": int(ids.numel()),
                                      "window": window, "active": "relu > 0" if all(
-                                         layer.act == "relu" for layer in ctx.ffn_layers) else f"|act| > per-layer threshold ({cfg.act_sparsity:.0%} target sparsity for non-ReLU)"}
+                                         layer.act == "relu" for layer in ctx.ffn_layers) else f"{cfg.act_criterion} score > per-layer threshold ({cfg.act_sparsity:.0%} target sparsity for non-ReLU)"}
     return gm
+
+
+def update_counts(ctx: BuildContext, profiles: dict[int, LayerProfile]) -> None:
+    """Rewrite the activation counts of these layers in profile.safetensors (after their thresholds moved)."""
+    path = ctx.staging_dir / PROFILE_FILE
+    tensors = dict(load_file(str(path)))
+    for index, prof in profiles.items():
+        tensors[f"layer{index}.counts"] = torch.as_tensor(np.asarray(prof.counts, dtype=np.int64))
+    save_file(tensors, str(path))

@@ -19,7 +19,7 @@ from picompile.passes.registry import register_pass
 
 aten = torch.ops.aten
 # mask-producing op -> positions of its per-neuron row tensors (permuted with the neurons)
-MASK_ROWS: dict[str, tuple[int, ...]] = {"predict": (2,), "oracle_mask": (1, 2)}
+MASK_ROWS: dict[str, tuple[int, ...]] = {"predict": (2,), "oracle_mask": (1, 2, 6)}
 
 
 def _permute_mask_producer(gm: fx.GraphModule, mask: fx.Node, perm: torch.Tensor, layer: int) -> None:
@@ -31,7 +31,7 @@ def _permute_mask_producer(gm: fx.GraphModule, mask: fx.Node, perm: torch.Tensor
                         f"(expected one of {', '.join(MASK_ROWS)})")
     args = list(mask.args)
     for pos in positions:
-        if args[pos] is None:
+        if pos >= len(args) or args[pos] is None:
             continue
         t = get_tensor(gm, args[pos])[perm]  # rows in hot-then-cold order
         args[pos] = add_buffer(gm, f"ffn{layer}_{op}_rows{pos}", t, mask)

@@ -26,13 +26,14 @@ def train_predictors(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
         [ctx.calibration[layer.index].profile for layer in layers], first.d_model, first.n_neurons,
         ffn_matrices=3 if first.kind == "gated" else 2, budget_fraction=cfg.predictor_budget,
     )
+    recall_target = cfg.recall_for(all(layer.act == "relu" for layer in layers))
     for layer, rank in ctx.track(list(zip(layers, ranks)), "training predictors"):
         cal = ctx.calibration[layer.index]
         predictor, report = train_predictor(cal.x, cal.mask, rank, epochs=cfg.predictor_epochs, seed=cfg.seed + layer.index,
-                                            recall_target=cfg.recall_target)
+                                            recall_target=recall_target)
         ctx.predictors[layer.index] = predictor
         layer.stats.update({
-            "predictor_rank": rank, "recall": report.recall, "precision": report.precision,
+            "predictor_rank": rank, "recall_target": recall_target, "recall": report.recall, "precision": report.precision,
             "predicted_active": report.predicted_active_fraction, "true_active": report.true_active_fraction,
         })
     return gm

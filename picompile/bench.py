@@ -8,7 +8,13 @@ Every engine runs in this process on the same prompt (seeded random token ids) a
 * ``pytorch``          the HF model the artifact was built from (``manifest.model["source"]``), float32,
                        eager, a manual prefill + decode loop with its KV cache, ``torch.inference_mode()``;
 * optional extras, skipped with a printed reason when not installed: ONNX Runtime on the same weights
-  (``picompile.ort_reference.OrtDenseSession``) and llama.cpp (``llama_cpp`` with a GGUF given by ``--gguf``).
+  (``picompile.ort_reference.OrtDenseSession``) and llama.cpp (``llama_cpp`` with a GGUF given by ``--gguf``;
+  ``--gguf auto`` converts the source checkpoint with ``picompile.gguf_export`` into
+  ``<cache>/gguf/NAME-TYPE.gguf``, reused while newer than the checkpoint; ``--gguf-type`` f32 (default,
+  as the artifact's weights) or f16; ``pip install 'picompile[bench]'``). llama.cpp runs the same thread
+  count as the other engines, its KV cache in the ``--gguf-type``. Its ``llama`` architecture computes
+  SiLU in the FFN whatever the checkpoint's activation: for a ReLU model it is a dense-speed baseline
+  (same weights, bytes and FLOPs per token), not the same outputs.
 
 Rounds are interleaved (A B C, then C B A, …; ``--repeats`` rounds after one untimed warm-up round),
 so load from other processes hits every engine alike; rates are medians over rounds (each engine's best
@@ -64,6 +70,7 @@ class Engine:
     prefill_s: list[float] = field(default_factory=list)
     decode_s: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)  # engine-specific facts for the result (e.g. the GGUF file)
 
     def run(self, prompt: list[int], n: int, record: bool = True) -> None:
         t0 = time.perf_counter()
@@ -167,25 +174,81 @@ def ort_engine(source: str, cache_dir: Path, threads: int) -> Engine | str:
     return Engine("onnxruntime", "ONNX Runtime", prefill, decode)
 
 
-def llama_cpp_engine(gguf: Path | None, n_ctx: int, threads: int) -> Engine | str:
-    """llama.cpp through llama-cpp-python on a GGUF file, or the reason it is skipped."""
+GGUF_TYPES: tuple[str, ...] = ("f32", "f16")
+GGUF_FILE_TYPES: dict[int, str] = {0: "f32", 1: "f16", 32: "bf16"}  # general.file_type -> name
+
+
+def _stale(out: Path, checkpoint_dir: Path) -> bool:
+    """Whether ``out`` is missing or older than a file of the checkpoint it was converted from."""
+    if not out.is_file():
+        return True
+    sources = [checkpoint_dir / "config.json", *checkpoint_dir.glob("*.safetensors")]
+    return any(f.stat().st_mtime > out.stat().st_mtime for f in sources if f.is_file())
+
+
+def auto_gguf(source: str, gguf_type: str, cache_dir: Path, emit: Callable[[str], None] = lambda s: None) -> Path | str:
+    """``--gguf auto``: the source checkpoint as ``cache_dir/gguf/NAME-TYPE.gguf`` (converted once), or why not."""
+    import importlib.util
+
+    if importlib.util.find_spec("gguf") is None:
+        return "--gguf auto needs the 'gguf' package (pip install 'picompile[bench]')"
+    from picompile.gguf_export import export_gguf, read_hparams
+
+    ckpt = Path(source)
+    try:
+        read_hparams(ckpt)
+    except PicompileError as e:
+        return f"--gguf auto cannot convert the source model: {e}"
+    out = cache_dir / "gguf" / f"{ckpt.resolve().name}-{gguf_type}.gguf"
+    if not _stale(out, ckpt):
+        return out
+    emit(f"converting {ckpt} to {out} ({gguf_type}) for llama.cpp")
+    try:
+        return export_gguf(ckpt, out, gguf_type, emit=emit)
+    except Exception as e:  # an optional extra never fails the benchmark
+        return f"--gguf auto: converting {ckpt} failed: {type(e).__name__}: {e}"
+
+
+def llama_cpp_engine(gguf: Path | str | None, n_ctx: int, threads: int, *, source: str = "", gguf_type: str = "f32",
+                     cache_dir: Path | None = None, emit: Callable[[str], None] = lambda s: None) -> Engine | str:
+    """llama.cpp through llama-cpp-python on a GGUF file (``"auto"``: see :func:`auto_gguf`), or the reason it is skipped.
+
+    ``threads`` for both decode and batch (prefill); the KV cache is ``gguf_type`` (f32 or f16).
+    """
     try:
         import llama_cpp
     except ImportError:
-        return "llama_cpp (llama-cpp-python) is not installed"
+        return "llama_cpp (llama-cpp-python) is not installed (pip install 'picompile[bench]')"
     if gguf is None:
-        return ("no GGUF given: pass --gguf FILE (the same weights, e.g. converted with llama.cpp's "
-                "convert_hf_to_gguf.py; picompile does not convert)")
+        return ("no GGUF given: pass --gguf auto (converts the source checkpoint) or --gguf FILE (the same "
+                "weights as a GGUF)")
+    converted = str(gguf) == "auto"
+    if converted:
+        from picompile.config import default_cache_dir
+
+        made = auto_gguf(source, gguf_type, cache_dir or default_cache_dir(), emit)
+        if isinstance(made, str):
+            return made
+        gguf = made
     if not Path(gguf).is_file():
         return f"GGUF file {gguf} does not exist"
+    kv = llama_cpp.GGML_TYPE_F32 if gguf_type == "f32" else llama_cpp.GGML_TYPE_F16
+    import numpy as np
+
     try:
         llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                              n_batch=max(n_ctx, 8), logits_all=False, verbose=False)
+                              n_batch=max(n_ctx, 8), type_k=kv, type_v=kv, logits_all=False, verbose=False)
     except Exception as e:
         return f"llama.cpp could not load {gguf}: {type(e).__name__}: {e}"
+    file_type = str(llm.metadata.get("general.file_type", ""))
+    ftype = GGUF_FILE_TYPES.get(int(file_type), "GGUF") if file_type.isdigit() else "GGUF"
+    label = f"llama.cpp {ftype} (dense; SiLU kernel{', same weights' if converted else ''})"
 
-    def last() -> int:
-        return int(torch.argmax(torch.as_tensor(llm.scores[llm.n_tokens - 1])))
+    n_vocab = llm.n_vocab()
+
+    def last() -> int:  # the last token's logits (llm.scores stays empty without logits_all in llama-cpp-python 0.3)
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
+        return int(np.argmax(logits))
 
     def prefill(ids: list[int]) -> tuple[int, Any]:
         llm.reset()
@@ -196,7 +259,9 @@ def llama_cpp_engine(gguf: Path | None, n_ctx: int, threads: int) -> Engine | st
         llm.eval([tok])
         return last(), None
 
-    return Engine("llama.cpp", "llama.cpp (GGUF)", prefill, decode)
+    info = {"gguf": str(gguf), "gguf_file_type": ftype, "kv_type": gguf_type, "converted": converted,
+            "ffn_activation": "silu (llama.cpp's llama architecture)"}
+    return Engine("llama.cpp", label, prefill, decode, info=info)
 
 
 # -- bytes per token -------------------------------------------------------------------------------
@@ -334,7 +399,8 @@ def run_bench(
     *,
     dense_artifact: bool = True,
     extras: bool = True,
-    gguf: Path | None = None,
+    gguf: Path | str | None = None,
+    gguf_type: str = "f32",
     copy_mib: int = 256,
     seed: int = 0,
     mask_tokens: int = 8,
@@ -349,13 +415,15 @@ def run_bench(
         raise PicompileError(f"--tokens, --prompt-len and --repeats must be >= 1, got {tokens}, {prompt_len}, {repeats}")
     if copy_mib < 1:
         raise PicompileError(f"--copy-mib must be >= 1, got {copy_mib}")
+    if gguf_type not in GGUF_TYPES:
+        raise PicompileError(f"--gguf-type must be one of {', '.join(GGUF_TYPES)}, got {gguf_type!r}")
     threads = threads or _default_threads()
     if threads < 1:
         raise PicompileError(f"--threads must be >= 1, got {threads}")
     load_before = os.getloadavg()
     torch.set_num_threads(threads)
     emit(f"loading {artifact}")
-    session = picompile.load(artifact)
+    session = picompile.load(artifact, hybrid="off")  # its byte and mask accounting reads the unscheduled parts
     manifest = session.manifest
     if manifest.sections.get("kernels"):
         from picompile.kernels import set_num_threads
@@ -378,7 +446,8 @@ def run_bench(
     skipped: dict[str, str] = {}
     if extras:
         for name, made in (("onnxruntime", lambda: ort_engine(source, default_cache_dir(), threads)),
-                           ("llama.cpp", lambda: llama_cpp_engine(gguf, prompt_len + tokens + 8, threads))):
+                           ("llama.cpp", lambda: llama_cpp_engine(gguf, prompt_len + tokens + 8, threads, source=source,
+                                                                  gguf_type=gguf_type, emit=emit))):
             emit(f"setting up {name}")
             eng = made()
             if isinstance(eng, str):
@@ -455,7 +524,7 @@ def run_bench(
                                # best round: less sensitive to other processes than the median
                                "best_prefill_tokens_per_s": prompt_len / min(eng.prefill_s),
                                "best_decode_tokens_per_s": tokens / min(eng.decode_s),
-                               "prefill_s": eng.prefill_s, "decode_s": eng.decode_s}
+                               "prefill_s": eng.prefill_s, "decode_s": eng.decode_s, **eng.info}
                     for eng in engines},
         "best_decode_speedup": min(_by_name(engines, "pytorch").decode_s) / min(engines[0].decode_s),
         "skipped": {**skipped, **{k: f"failed: {v}" for k, v in failed.items()}},
@@ -464,6 +533,8 @@ def run_bench(
         "prompt_len": prompt_len,
         "repeats": repeats,
         "threads": threads,
+        "gguf": str(gguf) if gguf is not None else None,  # as given; the file used: engines["llama.cpp"]["gguf"]
+        "gguf_type": gguf_type,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "kernels": bool(manifest.sections.get("kernels")),
         "bandwidth_samples_gbs": [b / 1e9 for b in bandwidth],
@@ -527,6 +598,11 @@ def print_report(result: dict[str, Any], console: Any | None = None) -> None:
     console.print(table)
     for name, why in result["skipped"].items():
         console.print(escape(f"{name}: skipped ({why})"))
+    lcpp = result["engines"].get("llama.cpp")
+    if lcpp:
+        console.print(f"[dim]llama.cpp: {escape(lcpp['gguf'])} (weights {lcpp['gguf_file_type']}, KV cache "
+                      f"{lcpp['kv_type']}); its llama architecture computes SiLU in the FFN: a dense-speed baseline "
+                      "on the same weights (same bytes and FLOPs per token), not the same outputs[/dim]")
     act = result["ffn_active_fraction"] if result["ffn_active_fraction"] is not None else result["ffn_active_fraction_manifest"]
     console.print(
         f"bytes/token: {_gb(result['bytes_per_token'])} (FFN {_gb(result['ffn_bytes_per_token'])} of "
@@ -557,7 +633,11 @@ def add_subcommand(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--no-dense-artifact", action="store_true", help="skip the load(dense=True) column")
     p.add_argument("--no-extras", action="store_true", help="skip ONNX Runtime and llama.cpp")
-    p.add_argument("--gguf", metavar="FILE", help="GGUF of the same weights for the llama.cpp column")
+    p.add_argument("--gguf", metavar="FILE|auto",
+                   help="GGUF of the same weights for the llama.cpp column; 'auto' converts the artifact's source "
+                        "checkpoint (cached under <cache>/gguf; needs picompile[bench])")
+    p.add_argument("--gguf-type", choices=GGUF_TYPES, default="f32",
+                   help="weight type of --gguf auto's conversion and llama.cpp's KV cache (default f32, as the artifact)")
     p.add_argument("--copy-mib", type=int, default=256, metavar="MIB", help="bandwidth copy buffer (default 256)")
     p.add_argument("--mask-tokens", type=int, default=8, metavar="N",
                    help="decode steps whose masks are counted for bytes/token (0: use the manifest)")
@@ -571,7 +651,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     with err.status("benchmarking") as status:
         result = run_bench(args.artifact, args.tokens, args.prompt_len, args.repeats, args.threads,
                            dense_artifact=not args.no_dense_artifact, extras=not args.no_extras,
-                           gguf=Path(args.gguf) if args.gguf else None, copy_mib=args.copy_mib,
+                           gguf=args.gguf, gguf_type=args.gguf_type, copy_mib=args.copy_mib,
                            mask_tokens=args.mask_tokens, emit=lambda s: status.update(s))
     if args.json:
         sys.stdout.write(json.dumps(result) + "\n")

@@ -36,7 +36,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         calibration=Path(args.calibration) if args.calibration else None,
         print_after=_split_names(args.print_after), dump_ir=Path(args.dump_ir) if args.dump_ir else None,
         progress=not args.quiet, calibration_tokens=args.calibration_tokens, act_sparsity=args.act_sparsity,
-        recall_target=args.recall_target, predictor_budget=args.predictor_budget,
+        act_criterion=args.act_criterion, sparsity_allocation=args.sparsity_allocation, allocation_tokens=args.allocation_tokens, recall_target=args.recall_target, predictor_budget=args.predictor_budget,
         placement_batch=args.placement_batch, min_layer_neurons=args.min_layer_neurons,
     )
     err = _console()
@@ -75,7 +75,7 @@ def cmd_build(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     import picompile
 
-    session = picompile.load(args.artifact, verify=not args.no_verify)
+    session = picompile.load(args.artifact, verify=not args.no_verify, hybrid=args.hybrid)
     if args.ids is not None:
         try:
             prompt: Any = [int(t) for t in args.ids.replace(",", " ").split()]
@@ -137,10 +137,19 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--calibration", help="text or token file (.npy/.json ids) for activation profiling")
     b.add_argument("--calibration-tokens", type=int, default=4096, metavar="N", help="tokens to profile (default 4096)")
     b.add_argument("--act-sparsity", type=float, default=0.5, metavar="F",
-                   help="non-ReLU FFNs: fraction of neurons counted inactive per layer (default 0.5)")
-    b.add_argument("--recall-target", type=float, default=0.99, metavar="F", help="predictor recall target (default 0.99)")
-    b.add_argument("--predictor-budget", type=float, default=0.1, metavar="F",
-                   help="predictor parameters as a fraction of FFN parameters (default 0.1)")
+                   help="non-ReLU FFNs: mean fraction of neurons counted inactive per layer (default 0.5)")
+    b.add_argument("--act-criterion", choices=["gate", "product"], default="gate",
+                   help="non-ReLU gated FFNs: a neuron is active when |act(gate x)| (gate, CATS; default) or "
+                        "|act(gate x)·(up x)| (product: its real output) exceeds the layer's threshold")
+    b.add_argument("--sparsity-allocation", choices=["greedy", "uniform"], default="uniform",
+                   help="non-ReLU FFNs: the same sparsity in every layer (uniform, default) or per-layer sparsity "
+                        "chosen greedily against the calibration loss (greedy)")
+    b.add_argument("--allocation-tokens", type=int, default=2048, metavar="N",
+                   help="calibration tokens the greedy allocation measures the loss on (default 2048)")
+    b.add_argument("--recall-target", type=float, default=None, metavar="F",
+                   help="predictor recall target (default 0.95 when every FFN is ReLU, else 0.99)")
+    b.add_argument("--predictor-budget", type=float, default=0.2, metavar="F",
+                   help="predictor parameters as a fraction of FFN parameters (default 0.2)")
     b.add_argument("--placement-batch", type=int, default=64, metavar="N", help="neurons per placement decision")
     b.add_argument("--min-layer-neurons", type=int, default=0, metavar="N",
                    help="a layer on the GPU holds at least N hot neurons (default 0 = off)")
@@ -160,6 +169,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int)
     r.add_argument("--json", action="store_true")
     r.add_argument("--no-verify", action="store_true", help="skip the checksum check")
+    r.add_argument("--hybrid", choices=["auto", "inline", "thread", "cuda", "off"], default="auto",
+                   help="how each FFN's hot (GPU) and cold (CPU) parts run: auto = cuda with a GPU, else inline")
     r.set_defaults(fn=cmd_run)
 
     i = sub.add_parser("inspect", help="summarise an artifact")

@@ -6,6 +6,11 @@ from pathlib import Path
 from typing import Literal
 
 PredictorMode = Literal["trained", "oracle", "none"]
+SparsityAllocation = Literal["greedy", "uniform"]
+# default recall targets (measured on the embedded ReLU model and stories260K: benchmarks/README.md, "Accuracy")
+RELU_RECALL: float = 0.95
+DENSE_RECALL: float = 0.99
+ActCriterion = Literal["gate", "product"]
 
 
 def default_cache_dir() -> Path:
@@ -31,8 +36,13 @@ class BuildConfig:
     calibration: Path | None = None  # text or token file for profiling; None = built-in default
     calibration_tokens: int = 4096  # tokens profiled (and used to train predictors)
     act_sparsity: float = 0.5  # non-ReLU FFNs: per-layer |act| threshold giving this inactive fraction
-    recall_target: float = 0.99  # predictor threshold tuned to find this share of active neurons
-    predictor_budget: float = 0.1  # all predictors together, as a fraction of FFN parameters
+    act_criterion: ActCriterion = "gate"  # non-ReLU gated FFNs: |act(gate)| (CATS) or |act(gate)·up| (product)
+    sparsity_allocation: SparsityAllocation = "uniform"  # non-ReLU FFNs: per-layer thresholds against the loss
+    allocation_step: float = 0.05  # greedy allocation: sparsity added to one layer per step
+    allocation_tokens: int = 2048  # calibration tokens the allocation's loss is measured on
+    recall_target: float | None = None  # predictor threshold tuned to find this share of active neurons;
+    # None = RELU_RECALL when every FFN is ReLU (sparse, redundant: misses cost little), else DENSE_RECALL
+    predictor_budget: float = 0.2  # all predictors together, as a fraction of FFN parameters
     predictor_epochs: int = 20
     placement_batch: int = 64  # neurons per placement decision (PowerInfer: 64 in the paper, 256 in code)
     min_layer_neurons: int = 0  # a layer using the GPU holds at least this many hot neurons (0 = off)
@@ -42,13 +52,25 @@ class BuildConfig:
     dump_ir: Path | None = None  # one readable file per pass
     progress: bool = True
 
+    def recall_for(self, all_relu: bool) -> float:
+        """The recall target predictors are tuned to: the option, else the default for this kind of model."""
+        if self.recall_target is not None:
+            return self.recall_target
+        return RELU_RECALL if all_relu else DENSE_RECALL
+
     def validate(self) -> None:
         """Range checks of the numeric options; a bad value names its flag."""
         from picompile.errors import PicompileError
 
         checks = [
             (0.0 <= self.act_sparsity < 1.0, "--act-sparsity must be in [0, 1)", self.act_sparsity),
-            (0.0 < self.recall_target <= 1.0, "--recall-target must be in (0, 1]", self.recall_target),
+            (self.act_criterion in ("gate", "product"), "--act-criterion must be gate or product", self.act_criterion),
+            (self.sparsity_allocation in ("greedy", "uniform"), "--sparsity-allocation must be greedy or uniform",
+             self.sparsity_allocation),
+            (0.0 < self.allocation_step <= 0.5, "--allocation-step must be in (0, 0.5]", self.allocation_step),
+            (self.allocation_tokens >= 16, "--allocation-tokens must be >= 16", self.allocation_tokens),
+            (self.recall_target is None or 0.0 < self.recall_target <= 1.0, "--recall-target must be in (0, 1]",
+             self.recall_target),
             (0.0 < self.predictor_budget <= 1.0, "--predictor-budget must be in (0, 1]", self.predictor_budget),
             (self.placement_batch >= 1, "--placement-batch must be >= 1", self.placement_batch),
             (self.min_layer_neurons >= 0, "--min-layer-neurons must be >= 0", self.min_layer_neurons),

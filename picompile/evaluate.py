@@ -35,7 +35,7 @@ TOKEN_SUFFIXES: tuple[str, ...] = (".npy", ".json")
 DOC_SEPARATOR = "<|endoftext|>"  # TinyStories-style document separator: documents are encoded one by one with BOS
 RELU_SWEEP: tuple[float, ...] = (0.9, 0.95, 0.99, 0.999)  # recall targets
 ACT_SWEEP: tuple[float, ...] = (0.0, 0.3, 0.5, 0.7)  # act_sparsity values (non-ReLU FFNs)
-MASK_OPS: tuple[str, ...] = ("predict", "oracle_mask")
+MASK_OPS: dict[str, int] = {"predict": 4, "oracle_mask": 5}  # mask-producing op -> position of its layer arg
 
 Advance = Callable[[int], None]  # advance by n graph calls
 
@@ -55,8 +55,6 @@ class Scorer:
     """
 
     def __init__(self, session: Any) -> None:
-        from torch import fx
-
         from picompile.ops import is_picompile_op
 
         self.session = session
@@ -67,8 +65,9 @@ class Scorer:
         masks: list[fx.Node] = []
         self.mask_layers: list[int] = []
         for node in graph.nodes:
-            if node.op == "call_function" and any(is_picompile_op(node.target, op) for op in MASK_OPS):
-                layer = node.kwargs.get("layer", node.args[-1])
+            op = next((op for op in MASK_OPS if node.op == "call_function" and is_picompile_op(node.target, op)), None)
+            if op is not None:
+                layer = node.kwargs.get("layer", node.args[MASK_OPS[op]])
                 masks.append(node)
                 self.mask_layers.append(int(layer))
         self.n_outputs: int = 1 + int(session.n_past)
@@ -128,6 +127,21 @@ def manifest_skipped(manifest: Any) -> float:
 # ----------------------------------------------------------------------------- perplexity
 
 
+def encode_prefix(tokenizer: Any, text: str, max_tokens: int | None = None) -> list[int]:
+    """``tokenizer.encode(text, bos=True)``, or at least its first ``max_tokens`` ids (possibly more, never
+    fewer unless the whole text is shorter). A tokenizer with ``iter_encode`` (llama2.c: line by line, the
+    chunks joined are exactly encode()'s ids) is only run over as much of the text as the prefix needs."""
+    chunks = getattr(tokenizer, "iter_encode", None)
+    if max_tokens is None or chunks is None:
+        return list(tokenizer.encode(text, bos=True))
+    ids: list[int] = []
+    for chunk in chunks(text, bos=True):
+        ids += chunk
+        if len(ids) >= max_tokens:
+            break
+    return ids
+
+
 def read_eval_tokens(path: str | Path, tokenizer: Any | None, vocab_size: int, max_tokens: int | None = None) -> list[int]:
     """Token ids of an evaluation file: a token file (.npy / .json list of ids), or text encoded with the
     artifact's tokenizer (documents split at "<|endoftext|>" are encoded one by one, each with BOS)."""
@@ -153,8 +167,10 @@ def read_eval_tokens(path: str | Path, tokenizer: Any | None, vocab_size: int, m
         docs = [d.strip() for d in text.split(DOC_SEPARATOR)] if DOC_SEPARATOR in text else [text]
         ids = []
         for doc in docs:
+            if max_tokens is not None and len(ids) >= max_tokens:
+                break  # the rest would be cut off anyway
             if doc:
-                ids += tokenizer.encode(doc, bos=True)
+                ids += encode_prefix(tokenizer, doc, None if max_tokens is None else max_tokens - len(ids))
     if max_tokens is not None:
         ids = ids[:max_tokens]
     if len(ids) < 2:
@@ -716,6 +732,7 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
 
 __all__ = [
     "Example", "Inputs", "Scorer", "Task", "add_subcommand", "continuation_loglik", "encode_request", "evaluate",
-    "manifest_skipped", "prepare", "prepare_for", "read_eval_tokens", "read_task", "rebuild_options", "run_one", "score_task",
+    "encode_prefix", "manifest_skipped", "prepare", "prepare_for", "read_eval_tokens", "read_task", "rebuild_options",
+    "run_one", "score_task",
     "sliding_nll", "sweep", "sweep_plan", "windows",
 ]

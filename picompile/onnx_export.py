@@ -10,7 +10,7 @@ picompile op       ONNX op type    inputs (``""`` = absent optional) / attribute
 ffn                FFN             x, w_up, b_up, w_gate, w_down, b_down, mask /
                                    act, layer, n_rows, d_model, gated
 predict            Predict         x, fc1, fc2 → bool mask / threshold, layer, n_rows, rank, d_model
-oracle_mask        OracleMask      x, w, b → bool mask / act, threshold, layer, n_rows, d_model
+oracle_mask        OracleMask      x, w, b[, w_mul] → bool mask / act, threshold, layer, n_rows, d_model
 sparse_ffn         SparseFFN       x, w_up, b_up, w_gate, w_down_t, mask /
                                    act, layer, part, device, n_rows, d_model, gated
 tvm_sparse_ffn     TvmSparseFFN    as SparseFFN, plus kernel, gpu_kernel (kernel keys)
@@ -128,8 +128,9 @@ def _t_predict(x: Any, fc1: Any, fc2: Any, threshold: float, layer: int) -> Any:
                                                 rank=_rows(fc1), d_model=_d_model(x)))
 
 
-def _t_oracle_mask(x: Any, w: Any, b: Optional[Any], act: str, threshold: float, layer: int) -> Any:
-    return _emit("oracle_mask", [x, w, b], dict(act=act, threshold=float(threshold), layer=layer, n_rows=_rows(w),
+def _t_oracle_mask(x: Any, w: Any, b: Optional[Any], act: str, threshold: float, layer: int,
+                   w_mul: Optional[Any] = None) -> Any:
+    return _emit("oracle_mask", [x, w, b, w_mul], dict(act=act, threshold=float(threshold), layer=layer, n_rows=_rows(w),
                                                 d_model=_d_model(x)))
 
 

@@ -76,6 +76,13 @@ def _predict_fake(x: Tensor, fc1: Tensor, fc2: Tensor, threshold: float, layer: 
     return x.new_empty((*x.shape[:-1], fc2.shape[0]), dtype=torch.bool)
 
 
+def activation_score(x: Tensor, w: Tensor, b: Optional[Tensor], act: str, w_mul: Optional[Tensor] = None) -> Tensor:
+    """How strongly each neuron fires: ``|act(w x + b)|``, or ``|act(w x + b) · (w_mul x)|`` (the neuron's
+    actual output in a gated FFN, w = gate and w_mul = up: the "product" criterion). [..., n_neurons]"""
+    a = apply_act(torch.nn.functional.linear(x, w, b), act)
+    return (a if w_mul is None else a * torch.nn.functional.linear(x, w_mul)).abs()
+
+
 @torch.library.custom_op("picompile::oracle_mask", mutates_args=())
 def oracle_mask(
     x: Tensor,  # [..., d_model]
@@ -84,13 +91,16 @@ def oracle_mask(
     act: str,
     threshold: float,
     layer: int,
+    w_mul: Optional[Tensor] = None,  # [n_neurons, d_model]: up rows for the product criterion, else None
 ) -> Tensor:
-    """The true activation mask, ``|act(w x + b)| > threshold`` (exact; computes every neuron)."""
-    return apply_act(torch.nn.functional.linear(x, w, b), act).abs() > threshold
+    """The true activation mask, ``activation_score(x, w, b, act, w_mul) > threshold`` (exact; computes every
+    neuron's decider: the gate — CATS — or, with w_mul, gate and up)."""
+    return activation_score(x, w, b, act, w_mul) > threshold
 
 
 @oracle_mask.register_fake
-def _oracle_fake(x: Tensor, w: Tensor, b: Optional[Tensor], act: str, threshold: float, layer: int) -> Tensor:
+def _oracle_fake(x: Tensor, w: Tensor, b: Optional[Tensor], act: str, threshold: float, layer: int,
+                 w_mul: Optional[Tensor] = None) -> Tensor:
     return x.new_empty((*x.shape[:-1], w.shape[0]), dtype=torch.bool)
 
 

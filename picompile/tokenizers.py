@@ -7,13 +7,14 @@ with the entry's kind and first file) loads it back.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import re
 import shutil
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Iterator, Protocol, runtime_checkable
 
 from picompile.errors import ArtifactError, InputError, ModelLoadError
 
@@ -52,6 +53,7 @@ class Llama2cTokenizer:
     _lookup: dict[bytes, int] = field(init=False, repr=False)
     _byte_ids: dict[int, int] = field(init=False, repr=False)  # raw byte -> its "<0xXX>" token id
     _piece_bytes: list[bytes] = field(init=False, repr=False)  # [vocab] what each token decodes to
+    _joinable: dict[tuple[int, int], bool] = field(init=False, repr=False)  # cache of _can_join
 
     def __post_init__(self) -> None:
         self._lookup = {}
@@ -66,6 +68,7 @@ class Llama2cTokenizer:
                 self._piece_bytes.append(bytes([int(m.group(1), 16)]))
             else:
                 self._piece_bytes.append(p)
+        self._joinable = {}
 
     @property
     def vocab_size(self) -> int:
@@ -120,6 +123,87 @@ class Llama2cTokenizer:
             out.append(self._byte_ids[b])
         return out
 
+    def _initial_ids(self, raw: bytes) -> list[int]:
+        """UTF-8 bytes -> per-character tokens (with byte fallback), before any merge.
+
+        Split into UTF-8 characters as run.c does: a non-continuation byte starts a chunk, continuation
+        bytes (10xxxxxx) extend it, at most 4 bytes per chunk."""
+        tokens: list[int] = []
+        lookup, n = self._lookup, len(raw)
+        start = 0
+        for i in range(n):
+            if (raw[i] & 0xC0) != 0x80:
+                start = i
+            if i + 1 < n and (raw[i + 1] & 0xC0) == 0x80 and i + 1 - start < 4:
+                continue
+            chunk = raw[start:i + 1]
+            tid = lookup.get(chunk)
+            if tid is not None:
+                tokens.append(tid)
+            else:
+                tokens += self._char_ids(chunk)
+            start = i + 1
+        return tokens
+
+    def _merge(self, tokens: list[int]) -> list[int]:
+        """run.c's merge loop: repeatedly merge the adjacent pair whose concatenation is a token with the
+        highest score (the leftmost pair wins ties; a score must exceed -1e10), until none is left.
+
+        Same result as rescanning the sequence for every merge, in O(n log n): candidate pairs sit in a heap
+        keyed by (-score, position of the left token); positions keep their original order in a linked list,
+        and an entry whose tokens have changed since it was pushed is dropped when it surfaces."""
+        n = len(tokens)
+        if n < 2:
+            return list(tokens)
+        pieces, scores, lookup = self.pieces, self.scores, self._lookup
+        toks = list(tokens)
+        nxt = list(range(1, n + 1))  # n = no right neighbour
+        prv = list(range(-1, n - 1))  # -1 = no left neighbour
+        version = [0] * n  # bumped whenever the token at a position changes (or the position dies)
+        heap: list[tuple[float, int, int, int, int, int]] = []  # (-score, left, right, versions, merged id)
+        for i in range(n - 1):
+            tid = lookup.get(pieces[toks[i]] + pieces[toks[i + 1]])
+            if tid is not None and scores[tid] > -1e10:
+                heap.append((-scores[tid], i, i + 1, 0, 0, tid))
+        heapq.heapify(heap)
+        while heap:
+            _, i, j, vi, vj, tid = heapq.heappop(heap)
+            if version[i] != vi or version[j] != vj or nxt[i] != j:
+                continue  # stale: one of the two tokens was merged away or replaced
+            toks[i] = tid
+            version[i] += 1
+            version[j] += 1  # position j is gone
+            k = nxt[j]
+            nxt[i] = k
+            if k < n:
+                prv[k] = i
+            for left in (prv[i], i):
+                if left >= 0:
+                    r = nxt[left]
+                    if r < n:
+                        t2 = lookup.get(pieces[toks[left]] + pieces[toks[r]])
+                        if t2 is not None and scores[t2] > -1e10:
+                            heapq.heappush(heap, (-scores[t2], left, r, version[left], version[r], t2))
+        out: list[int] = []
+        i = 0
+        while i < n:
+            out.append(toks[i])
+            i = nxt[i]
+        return out
+
+    def _can_join(self, left: int, right: int) -> bool:
+        """Could a merge ever cross the boundary between adjacent initial tokens `left` and `right`?
+
+        Every token the merges make is a concatenation of adjacent initial pieces, so a merge across the
+        boundary needs a vocabulary piece that contains pieces[left] + pieces[right]; without one the two
+        sides merge independently (and run.c's global greedy order gives the same result per side)."""
+        key = (left, right)
+        ok = self._joinable.get(key)
+        if ok is None:
+            needle = self.pieces[left] + self.pieces[right]
+            ok = self._joinable[key] = any(needle in p for p in self.pieces)
+        return ok
+
     def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
         """Encode exactly as llama2.c run.c's encode(): optional BOS, the " " dummy prefix (for
         non-empty text), per-character tokens with byte fallback, then greedy best-score merges."""
@@ -127,30 +211,37 @@ class Llama2cTokenizer:
         tokens: list[int] = [self.bos_id] if bos and self.bos_id is not None else []
         if raw:
             tokens += self._char_ids(b" ")
-        # Split into UTF-8 characters as run.c does: a non-continuation byte starts a chunk,
-        # continuation bytes (10xxxxxx) extend it, at most 4 bytes per chunk.
-        start = 0
-        for i in range(len(raw)):
-            nxt_is_cont = i + 1 < len(raw) and (raw[i + 1] & 0xC0) == 0x80
-            if (raw[i] & 0xC0) != 0x80:
-                start = i
-            if nxt_is_cont and i + 1 - start < 4:
-                continue
-            tokens += self._char_ids(raw[start:i + 1])
-            start = i + 1
-        # Merge the adjacent pair whose concatenation is a token with the highest score (first wins ties).
-        while True:
-            best_score, best_id, best_idx = -1e10, -1, -1
-            for i in range(len(tokens) - 1):
-                tid = self._lookup.get(self.pieces[tokens[i]] + self.pieces[tokens[i + 1]])
-                if tid is not None and self.scores[tid] > best_score:
-                    best_score, best_id, best_idx = self.scores[tid], tid, i
-            if best_idx == -1:
-                break
-            tokens[best_idx:best_idx + 2] = [best_id]
+        tokens = self._merge(tokens + self._initial_ids(raw))
         if eos and self.eos_id is not None:
             tokens.append(self.eos_id)
         return tokens
+
+    def iter_encode(self, text: str, bos: bool = True, eos: bool = False) -> Iterator[list[int]]:
+        """encode(text, bos, eos) in consecutive chunks, line by line: the chunks concatenated are exactly
+        encode()'s ids, and a caller that needs only a prefix can stop early without encoding the rest.
+
+        Lines are cut after each "\n"; a cut is used only where no merge could cross it (see _can_join),
+        otherwise the next line is merged together with the pending ones."""
+        raw = text.encode("utf-8")
+        pending: list[int] = [self.bos_id] if bos and self.bos_id is not None else []
+        if raw:
+            pending += self._char_ids(b" ")
+        pos = 0
+        while pos < len(raw):
+            cut = raw.find(b"\n", pos)
+            end = len(raw) if cut < 0 else cut + 1
+            ids = self._initial_ids(raw[pos:end])  # "\n" is ASCII: a cut never splits a character
+            pos = end
+            if pending and ids and not self._can_join(pending[-1], ids[0]):
+                yield self._merge(pending)
+                pending = ids
+            else:
+                pending += ids
+        last = self._merge(pending)
+        if eos and self.eos_id is not None:
+            last.append(self.eos_id)
+        if last:
+            yield last
 
     def token_bytes(self, prev_id: int | None, tid: int) -> bytes:
         """The bytes run.c's decode(prev, token) prints for one token (streaming use).

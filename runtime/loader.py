@@ -35,30 +35,47 @@ def bind_weights(gm: fx.GraphModule, n_inputs: int, keys: list[str], tensors: di
 MASK_ARGS: dict[str, int] = {"ffn": 8, "sparse_ffn": 5, "tvm_sparse_ffn": 5}
 
 
+def _mask_positions(node: fx.Node) -> tuple[int, ...]:
+    """Positions of ``node``'s neuron mask arguments (none unless it is an FFN op or a hybrid scheduler)."""
+    from picompile.ops import is_picompile_op
+    from picompile.runtime.hybrid import HYBRID_MASK_ARGS, HybridFFN
+
+    if node.op != "call_function":
+        return ()
+    if isinstance(node.target, HybridFFN):
+        return HYBRID_MASK_ARGS
+    return tuple(pos for op, pos in MASK_ARGS.items() if is_picompile_op(node.target, op) and len(node.args) > pos)
+
+
 def drop_masks(gm: fx.GraphModule) -> fx.GraphModule:
     """Compute every neuron: the FFN ops lose their masks (predictors become dead code and go).
 
     With the placement kept, this is the artifact's exact dense reference (same weights, same split).
+    Hybrid-scheduled graphs (``runtime/hybrid.py``) lose the masks of both partitions alike.
     """
-    from picompile.ops import is_picompile_op
-
     for node in gm.graph.nodes:
-        for op, pos in MASK_ARGS.items():
-            if node.op == "call_function" and is_picompile_op(node.target, op) and len(node.args) > pos:
-                args = list(node.args)
+        positions = _mask_positions(node)
+        if positions:
+            args = list(node.args)
+            for pos in positions:
                 args[pos] = None
-                node.args = tuple(args)
+            node.args = tuple(args)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm
 
 
-def load_graph(root: Path, manifest: Manifest, dense: bool = False) -> fx.GraphModule:
+def load_graph(root: Path, manifest: Manifest, dense: bool = False, hybrid: str = "off") -> fx.GraphModule:
     """The executable decoder-step graph: forward(input_ids, *past) -> (logits, *presents).
 
     ``dense``: drop the predictor masks, so every neuron is computed (see :func:`drop_masks`).
+    ``hybrid``: how each FFN layer's hot and cold partitions run ("off": the graph as built; "auto",
+    "inline", "thread", "cuda": see :func:`picompile.runtime.hybrid.schedule_hybrid`).
     """
     import picompile.ops  # noqa: F401  (registers picompile:: ops the graph calls)
+    from picompile.runtime.hybrid import check_mode
+
+    check_mode(hybrid)  # before the (slow) graph load
 
     g = manifest.graph
     try:
@@ -81,7 +98,13 @@ def load_graph(root: Path, manifest: Manifest, dense: bool = False) -> fx.GraphM
 
         tensors = {k: as_aligned(t) for k, t in tensors.items()}
     gm = bind_weights(gm, 1 + int(g["n_past"]), list(g["weights"]), tensors)
-    return drop_masks(gm) if dense else gm
+    if dense:
+        gm = drop_masks(gm)
+    if hybrid != "off":
+        from picompile.runtime.hybrid import schedule_hybrid, target_has_gpu
+
+        gm = schedule_hybrid(gm, hybrid, target_has_gpu=target_has_gpu(manifest.target))
+    return gm
 
 
 def load_kernels(root: Path, entries: list[dict[str, Any]]) -> None:
@@ -107,7 +130,8 @@ def load_kernels(root: Path, entries: list[dict[str, Any]]) -> None:
             raise ArtifactError(f"cannot load kernel {entry['file']} of {root}: {type(e).__name__}: {e}") from None
 
 
-def load_artifact(root: str | Path, verify: bool = True, dense: bool = False) -> tuple[Path, Manifest, fx.GraphModule]:
+def load_artifact(root: str | Path, verify: bool = True, dense: bool = False,
+                  hybrid: str = "off") -> tuple[Path, Manifest, fx.GraphModule]:
     root = Path(root)
     manifest = read_manifest(root, verify=verify)
-    return root, manifest, load_graph(root, manifest, dense=dense)
+    return root, manifest, load_graph(root, manifest, dense=dense, hybrid=hybrid)

@@ -29,6 +29,20 @@ class Session:
         self.eos_id: int | None = eos[0] if isinstance(eos, list) else eos
         self.last_logits: Tensor | None = None  # [n_generated, vocab]: what each generated token was chosen from
 
+    @property
+    def hybrid_mode(self) -> str:
+        """How the FFN partitions run: "off" (the graph as built) | "inline" | "thread" | "cuda"."""
+        from picompile.runtime.hybrid import hybrid_mode_of
+
+        return hybrid_mode_of(self.graph)
+
+    @property
+    def hybrid_skipped(self) -> list[str]:
+        """Why FFN layers were left unscheduled by the hybrid scheduler (empty when all were scheduled)."""
+        from picompile.runtime.hybrid import SKIPPED_KEY
+
+        return list(self.graph.meta.get(SKIPPED_KEY, []))
+
     # -- low level -------------------------------------------------------------------------
     def empty_past(self) -> tuple[Tensor, ...]:
         return tuple(torch.zeros(1, self.kv_heads, 0, self.head_dim) for _ in range(self.n_past))

@@ -305,3 +305,103 @@ def test_random_bytes_and_nan_weights(tmp_path: Path) -> None:
     _write_tiny(bad, vocab=40, poison=True)
     with pytest.raises(ModelLoadError, match="NaN"):
         load_llama2c(bad)
+
+
+# ----------------------------------------------------------------------------- fast encode == run.c's merge loop
+
+
+def _reference_encode(tok: Llama2cTokenizer, text: str, bos: bool = True) -> list[int]:
+    """The straightforward run.c encode(): rescan the whole sequence for the best pair before every merge."""
+    raw = text.encode("utf-8")
+    tokens = [tok.bos_id] if bos else []
+    if raw:
+        tokens += tok._char_ids(b" ")
+    start = 0
+    for i in range(len(raw)):
+        nxt_is_cont = i + 1 < len(raw) and (raw[i + 1] & 0xC0) == 0x80
+        if (raw[i] & 0xC0) != 0x80:
+            start = i
+        if nxt_is_cont and i + 1 - start < 4:
+            continue
+        tokens += tok._char_ids(raw[start:i + 1])
+        start = i + 1
+    while True:
+        best_score, best_id, best_idx = -1e10, -1, -1
+        for i in range(len(tokens) - 1):
+            tid = tok._lookup.get(tok.pieces[tokens[i]] + tok.pieces[tokens[i + 1]])
+            if tid is not None and tok.scores[tid] > best_score:
+                best_score, best_id, best_idx = tok.scores[tid], tid, i
+        if best_idx == -1:
+            break
+        tokens[best_idx:best_idx + 2] = [best_id]
+    return tokens
+
+
+ENCODE_TEXTS = ["", " ", "\n", "\n\n", "a", "Once upon a time", "Hello\nworld  twice\n", "  leading", "trailing  ",
+                "héllo wörld ✓ 日本 🙂", "\x00\x01\x7f", "𝔘𝔫𝔦 \U0010ffff é\u0301", "<s>\n</s>\n", "<0x0A>",
+                "the the the the", "aaaaaaaaaaaaaaaaaaaa", "Lily said, \"Mom!\"\r\nTom's cat."]
+
+
+def _synthetic_tokenizer(extra: list[tuple[bytes, float]]) -> Llama2cTokenizer:
+    """Special tokens, all 256 byte-fallback tokens, single characters, then `extra` (piece, score) merges."""
+    pieces = [b"<unk>", b"\n<s>\n", b"\n</s>\n"] + [f"<0x{b:02X}>".encode() for b in range(256)]
+    scores = [0.0] * len(pieces)
+    for c in b" abc\n":
+        pieces.append(bytes([c]))
+        scores.append(-100.0)
+    for p, s in extra:
+        pieces.append(p)
+        scores.append(s)
+    return Llama2cTokenizer(pieces, scores, max(len(p) for p in pieces))
+
+
+def _chunks_joined(tok: Llama2cTokenizer, text: str, bos: bool = True) -> list[int]:
+    return [t for chunk in tok.iter_encode(text, bos=bos) for t in chunk]
+
+
+@needs_data
+@pytest.mark.parametrize("text", ENCODE_TEXTS)
+def test_llama2c_encode_matches_reference(stories, text: str) -> None:
+    """The heap-based merge gives run.c's ids, byte fallback and unicode included; iter_encode's chunks join to them."""
+    tok = stories[2]
+    for bos in (True, False):
+        ref = _reference_encode(tok, text, bos)
+        assert tok.encode(text, bos=bos) == ref
+        assert _chunks_joined(tok, text, bos) == ref
+    assert tok.encode(text, eos=True) == _reference_encode(tok, text) + [tok.eos_id]
+
+
+@needs_data
+def test_llama2c_encode_matches_reference_on_sample(stories) -> None:
+    tok = stories[2]
+    text = SAMPLE.read_text(encoding="utf-8")
+    lines = text.splitlines()[:12]
+    for line in lines:
+        assert tok.encode(line) == _reference_encode(tok, line)
+    block = "\n".join(lines)
+    assert tok.encode(block) == _reference_encode(tok, block) == _chunks_joined(tok, block)
+    assert len(list(tok.iter_encode(block))) > 1  # the newline cuts are used: nothing in tok512 spans a "\n"
+
+
+def test_llama2c_encode_ties_and_cross_line_merges() -> None:
+    """Synthetic vocabularies: equal scores (leftmost pair wins), merges of merges, pieces spanning a newline (the
+    line cut must not be used there), scores at/below -1e10 (never merged); random strings against run.c's loop."""
+    import random
+
+    vocabs = [
+        [(b"ab", 1.0), (b"bc", 1.0), (b"abc", 2.0), (b" a", 0.5), (b"aa", 1.0), (b"aaa", 1.0)],
+        [(b"c\n", 3.0), (b"\na", 3.0), (b"c\na", 4.0), (b"ab", 1.0), (b"\n\n", 2.0), (b"bb", -1e10), (b"cc", -2e10)],
+        [(b"a\n", 1.0), (b"b\n", 1.0), (b"\n ", 1.0), (b"\n b", 5.0), (b" b", 0.0)],
+    ]
+    rng = random.Random(0)
+    for extra in vocabs:
+        tok = _synthetic_tokenizer(extra)
+        for k in range(200):
+            text = "".join(rng.choice("abc \n\ná") for _ in range(rng.randint(0, 60)))
+            for bos in (True, False):
+                ref = _reference_encode(tok, text, bos)
+                assert tok.encode(text, bos=bos) == ref, (extra, text, bos)
+                assert _chunks_joined(tok, text, bos) == ref, (extra, text, bos)
+    tok = _synthetic_tokenizer(vocabs[1])  # no " a" piece: the dummy prefix " " stands alone
+    assert len(list(tok.iter_encode("abc\nabc\nab"))) == 2  # " " | "abc\nabc\nab": "c\na" spans both newlines
+    assert len(list(tok.iter_encode("ab\nb\nba"))) == 4  # " " | "ab\n" | "b\n" | "ba": nothing holds "\nb"

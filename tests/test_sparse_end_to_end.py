@@ -45,7 +45,7 @@ def test_trained_build_reports_layers(checkpoints: dict, tmp_path: Path, capsys:
     for layer in summary["layers"]:
         assert {"n_hot", "n_cold", "predictor_rank", "recall", "sparsity"} <= set(layer)
         assert layer["n_hot"] + layer["n_cold"] == layer["n_neurons"] == 192
-        assert layer["recall"] >= 0.98
+        assert layer["recall"] >= layer["recall_target"] - 0.02
     assert summary["placement"]["method"] in ("milp", "greedy", "trivial")
     assert len(summary["profile_summary"]) == 2
     png = tmp_path / "p.png"

@@ -84,7 +84,7 @@ def test_bench_json(tiny_artifact: Path, capsys: pytest.CaptureFixture[str]) -> 
 def test_bench_bytes_dense_graph_counts_every_row(tiny_artifact: Path) -> None:
     from picompile.bench import dense_view
 
-    session = picompile.load(tiny_artifact)
+    session = picompile.load(tiny_artifact, hybrid="off")  # as bench loads it
     dense = weight_bytes(dense_view(session).graph, None)
     assert dense["ffn"] == dense["ffn_full"] == 2 * 3 * 1024 * 128 * 4  # 2 layers, up/gate/down, float32
     half = weight_bytes(session.graph, {0: 0.5, 1: 0.5})

@@ -17,13 +17,14 @@ def test_predictors_find_active_neurons(checkpoints: dict, tmp_path: Path) -> No
     gm = run_passes(ctx, ["train-predictors"], gm)
     assert len(gm.graph.nodes) == n_nodes
     assert sorted(ctx.predictors) == [0, 1]
-    budget = 0.1 * 2 * 2 * 64 * 192  # 10% of the FFN parameters (two matrices per layer, two layers)
+    budget = 0.2 * 2 * 2 * 64 * 192  # 20% (the default) of the FFN parameters (two matrices per layer, two layers)
     assert sum(p.n_params for p in ctx.predictors.values()) <= budget
     for layer in ctx.ffn_layers:
         pred = ctx.predictors[layer.index]
         r = layer.stats["predictor_rank"]
         assert pred.fc1.weight.shape == (r, 64) and pred.fc2.weight.shape == (192, r)
-        assert layer.stats["recall"] >= 0.985
+        assert layer.stats["recall_target"] == 0.95  # the default for an all-ReLU model
+        assert layer.stats["recall"] >= 0.94
         assert layer.stats["precision"] > layer.stats["true_active"]  # better than guessing
         assert layer.stats["predicted_active"] < 0.95  # it skips neurons
         # fresh tokens the predictor never saw: inputs perturbed from the calibration ones
