@@ -55,6 +55,8 @@ class Scorer:
     """
 
     def __init__(self, session: Any) -> None:
+        from torch import fx  # noqa: F811  (the module-level name exists only for type checking)
+
         from picompile.ops import is_picompile_op
 
         self.session = session
