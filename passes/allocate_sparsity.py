@@ -23,18 +23,18 @@ MAX_LAYER_SPARSITY = 0.95  # no layer is pushed past this share of inactive neur
 
 @dataclass
 class _Layer:
-    """One non-ReLU FFN: its decider activations on the calibration tokens, for thresholds by quantile."""
+    """One non-ReLU FFN: its decider scores on the calibration tokens, for thresholds by quantile."""
 
     index: int
-    act: str
-    scores: torch.Tensor  # [N * n_neurons] decider scores (activation_score), sorted ascending
+    scores: torch.Tensor  # [N, n_neurons] activation_score of each calibration token and neuron
+    ordered: torch.Tensor  # [N * n_neurons] the same, flat and sorted ascending
 
     def threshold(self, sparsity: float) -> float:
-        """|act| above which a neuron counts as active so that ``sparsity`` of them are not."""
+        """Score above which a neuron counts as active so that ``sparsity`` of them are not."""
         if sparsity <= 0.0:
             return 0.0
-        k = min(int(sparsity * self.scores.numel()), self.scores.numel() - 1)
-        return float(self.scores[k])
+        k = min(int(sparsity * self.ordered.numel()), self.ordered.numel() - 1)
+        return float(self.ordered[k])
 
 
 class _Thresholded(fx.Interpreter):
@@ -110,8 +110,8 @@ def allocate_sparsity(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
     for layer in layers:
         decider = deciders[layer.index] = decider_of(gm, nodes[layer.index], cfg.act_criterion)
         with torch.no_grad():
-            scores = decider.score(ctx.calibration[layer.index].x).flatten()  # [N * n_neurons]
-        infos.append(_Layer(layer.index, layer.act, torch.sort(scores).values))
+            scores = decider.score(ctx.calibration[layer.index].x)  # [N, n_neurons]
+        infos.append(_Layer(layer.index, scores, torch.sort(scores.flatten()).values))
     ids = ctx.calibration_ids[: cfg.allocation_tokens]  # [T]
     window = min(ctx.max_seq_len, 256)
     chunks = [ids[i : i + window] for i in range(0, ids.numel(), window) if ids[i : i + window].numel() > 1]
@@ -132,12 +132,10 @@ def allocate_sparsity(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
     if greedy_loss > uniform_loss:  # greedy is myopic: keep whichever measured better
         sparsity, method = [target] * len(infos), "uniform (greedy measured worse)"
     final_loss = min(greedy_loss, uniform_loss)
-    for info, s in zip(infos, sparsity):
+    for layer, info, s in zip(layers, infos, sparsity):
         cal = ctx.calibration[info.index]
         cal.threshold = info.threshold(s)
-        with torch.no_grad():
-            cal.mask = deciders[info.index].score(cal.x) > cal.threshold
-        layer = next(layer for layer in layers if layer.index == info.index)
+        cal.mask = info.scores > cal.threshold  # [N, n_neurons]
         prof = LayerProfile.from_mask(cal.mask.numpy(), name=layer.module)
         cal.profile = prof
         layer.stats.update({"act_sparsity": round(s, 4), "act_threshold": cal.threshold,

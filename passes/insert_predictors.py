@@ -10,7 +10,7 @@ import picompile.ops  # noqa: F401  (registers picompile:: ops)
 import torch
 from picompile.context import BuildContext
 from picompile.errors import PassError
-from picompile.passes.profile_activations import ffn_nodes
+from picompile.passes.profile_activations import decider_nodes, ffn_nodes
 from picompile.passes.registry import register_pass
 
 MASK_ARG = 8  # position of ``mask`` in picompile.ffn's arguments
@@ -42,14 +42,12 @@ def insert_predictors(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
                 mask = gm.graph.call_function(torch.ops.picompile.predict.default,
                                               (x, fc1, fc2, float(pred.threshold), layer.index))
         else:
-            w_up, b_up, w_gate = node.args[1:4]
             cal = ctx.calibration.get(layer.index)
             threshold = 0.0 if cal is None else float(cal.threshold)
-            w, b = (w_gate, None) if w_gate is not None else (w_up, b_up)
-            product = w_gate is not None and layer.act != "relu" and ctx.config.act_criterion == "product"
+            w, b, w_mul = decider_nodes(node, ctx.config.act_criterion)
             with gm.graph.inserting_before(node):
                 mask = gm.graph.call_function(torch.ops.picompile.oracle_mask.default,
-                                              (x, w, b, layer.act, threshold, layer.index, w_up if product else None))
+                                              (x, w, b, layer.act, threshold, layer.index, w_mul))
         args = list(node.args) + [None] * (MASK_ARG + 1 - len(node.args))
         args[MASK_ARG] = mask
         node.args = tuple(args)

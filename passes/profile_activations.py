@@ -64,14 +64,20 @@ class Decider:
         return activation_score(x, self.w, self.b, self.act, self.w_mul)
 
 
-def decider_of(gm: fx.GraphModule, node: fx.Node, criterion: str = "gate") -> Decider:
-    """Gate rows for gated FFNs (times the up rows for non-ReLU ones under the "product" criterion), else the
-    up rows with their bias."""
-    x, w_up, b_up, w_gate, _, _, act = node.args[:7]
+def decider_nodes(node: fx.Node, criterion: str = "gate") -> tuple[fx.Node, fx.Node | None, fx.Node | None]:
+    """The weight nodes (w, b, w_mul) of a picompile.ffn ``node`` that decide if a neuron fires: gate rows for
+    gated FFNs (times the up rows for non-ReLU ones under the "product" criterion), else the up rows and bias."""
+    _, w_up, b_up, w_gate, _, _, act = node.args[:7]
     if w_gate is not None:
-        product = criterion == "product" and act != "relu"
-        return Decider(get_tensor(gm, w_gate), None, str(act), get_tensor(gm, w_up) if product else None)
-    return Decider(get_tensor(gm, w_up), None if b_up is None else get_tensor(gm, b_up), str(act), None)
+        return w_gate, None, w_up if criterion == "product" and act != "relu" else None  # type: ignore[return-value]
+    return w_up, b_up, None  # type: ignore[return-value]
+
+
+def decider_of(gm: fx.GraphModule, node: fx.Node, criterion: str = "gate") -> Decider:
+    """The :class:`Decider` of a picompile.ffn ``node`` (its :func:`decider_nodes` as tensors)."""
+    w, b, w_mul = (None if n is None else get_tensor(gm, n) for n in decider_nodes(node, criterion))
+    assert w is not None
+    return Decider(w, b, str(node.args[6]), w_mul)
 
 
 @register_pass("profile-activations")

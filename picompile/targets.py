@@ -37,6 +37,12 @@ class Target:
     def to_json(self) -> dict[str, object]:
         return dataclasses.asdict(self)
 
+    @classmethod
+    def from_json(cls, data: dict[str, object]) -> "Target":
+        """The target a manifest's "target" section describes (what :meth:`to_json` wrote)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})  # type: ignore[arg-type]
+
 
 TARGETS: dict[str, Target] = {
     t.name: t

@@ -79,11 +79,6 @@ def resolve_mode(mode: str, target_has_gpu: bool) -> str:
     return "cuda" if target_has_gpu and torch.cuda.is_available() else "inline"
 
 
-def target_has_gpu(target: dict[str, Any]) -> bool:
-    """``Target.has_gpu`` of a manifest's "target" section."""
-    return int(target.get("vram_bytes") or 0) > 0 and target.get("cuda_arch") is not None
-
-
 # -- one partition's op -----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PartOp:

@@ -73,9 +73,6 @@ def load_graph(root: Path, manifest: Manifest, dense: bool = False, hybrid: str 
     "inline", "thread", "cuda": see :func:`picompile.runtime.hybrid.schedule_hybrid`).
     """
     import picompile.ops  # noqa: F401  (registers picompile:: ops the graph calls)
-    from picompile.runtime.hybrid import check_mode
-
-    check_mode(hybrid)  # before the (slow) graph load
 
     g = manifest.graph
     try:
@@ -101,9 +98,10 @@ def load_graph(root: Path, manifest: Manifest, dense: bool = False, hybrid: str 
     if dense:
         gm = drop_masks(gm)
     if hybrid != "off":
-        from picompile.runtime.hybrid import schedule_hybrid, target_has_gpu
+        from picompile.runtime.hybrid import schedule_hybrid
+        from picompile.targets import Target
 
-        gm = schedule_hybrid(gm, hybrid, target_has_gpu=target_has_gpu(manifest.target))
+        gm = schedule_hybrid(gm, hybrid, target_has_gpu=Target.from_json(manifest.target).has_gpu)
     return gm
 
 
