@@ -40,21 +40,23 @@ PREDICTOR_OPTIONS: dict[str, float] = {"predictor_budget": 0.1, "recall_target":
 
 
 def artifact_for(checkpoint: Path, cache: Path, calibration_tokens: int, predictor: str, log: Any,
-                 rebuild: bool = False) -> Path:
+                 rebuild: bool = False, weight_dtype: str = "float32") -> Path:
     """The cached artifact of ``checkpoint`` (rebuilt when its source or build options differ)."""
-    out = cache / f"{checkpoint.name}-cpu-{predictor}-c{calibration_tokens}.pic"
+    suffix = "" if weight_dtype == "float32" else "-f16"
+    out = cache / f"{checkpoint.name}-cpu-{predictor}-c{calibration_tokens}{suffix}.pic"
     if is_artifact(out) and not rebuild:
         m = read_manifest(out, verify=False)
         same_weights = m.model.get("config", {}).get("picompile_synthetic") == synthetic_params_of(checkpoint)
         if (same_weights and m.model.get("source") == str(checkpoint) and m.build.get("predictor") == predictor
                 and (m.sections.get("profile") or {}).get("n_tokens") == calibration_tokens
+                and m.weights.get("dtype", "float32") == weight_dtype
                 and all(m.build.get(k, v) == v for k, v in PREDICTOR_OPTIONS.items())):
             log(f"reusing {out}")
             return out
-    log(f"building {out} (target cpu, predictor {predictor}, {calibration_tokens} calibration tokens)")
+    log(f"building {out} (target cpu, predictor {predictor}, {calibration_tokens} calibration tokens, {weight_dtype})")
     t0 = time.perf_counter()
     picompile.build(checkpoint, target="cpu", output=out, predictor=predictor, calibration_tokens=calibration_tokens,
-                    **PREDICTOR_OPTIONS, emit=lambda s: None, on_pass=lambda name, i, n: log(f"  pass {i}/{n} {name}"))
+                    weight_dtype=weight_dtype, **PREDICTOR_OPTIONS, emit=lambda s: None, on_pass=lambda name, i, n: log(f"  pass {i}/{n} {name}"))
     log(f"built in {time.perf_counter() - t0:.0f} s")
     return out
 
@@ -64,7 +66,9 @@ ROWS: list[tuple[str, str, str]] = [  # (label, key, format)
     ("decode tok/s, picompile dense=True", "artifact_dense_decode_tokens_per_s", "{:.2f}"),
     ("decode tok/s, PyTorch eager", "dense_decode_tokens_per_s", "{:.2f}"),
     ("decode tok/s, ONNX Runtime", "ort_decode_tokens_per_s", "{:.2f}"),
+    ("decode tok/s, llama.cpp", "llama_cpp_decode_tokens_per_s", "{:.2f}"),
     ("decode speedup vs PyTorch", "decode_speedup", "{:.2f}x"),
+    ("decode speedup vs llama.cpp", "decode_vs_llama_cpp", "{:.2f}x"),
     ("  best round vs best round", "best_decode_speedup", "{:.2f}x"),
     ("prefill tok/s, picompile", "prefill_tokens_per_s", "{:.1f}"),
     ("prefill tok/s, PyTorch eager", "dense_prefill_tokens_per_s", "{:.1f}"),
@@ -113,7 +117,11 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, help="torch and TVM threads (default: physical cores)")
-    ap.add_argument("--calibration-tokens", type=int, default=2048)
+    ap.add_argument("--calibration-tokens", type=int, default=8192)
+    ap.add_argument("--weight-dtype", choices=["float32", "float16"], default="float32",
+                    help="the artifact's weights (float16: compare with --gguf-type f16)")
+    ap.add_argument("--gguf", help="llama.cpp peer: 'auto' converts the checkpoint (needs picompile[bench]), or a file")
+    ap.add_argument("--gguf-type", choices=["f32", "f16"], help="default: the artifact's weight dtype")
     ap.add_argument("--predictor", default="trained",
                     help="trained | oracle | none, or several comma-separated (e.g. trained,oracle: the oracle "
                          "column shows what exact masks would give)")
@@ -136,10 +144,12 @@ def main() -> int:
         log(f"{shape}: synthetic checkpoint")
         checkpoint = make_synthetic(shape, emit=log)
         for predictor in predictors:
-            art = artifact_for(checkpoint, cache, args.calibration_tokens, predictor, log, args.rebuild)
+            art = artifact_for(checkpoint, cache, args.calibration_tokens, predictor, log, args.rebuild,
+                               args.weight_dtype)
             log(f"{shape} ({predictor}): benchmarking (load average {os.getloadavg()[0]:.1f})")
             result = run_bench(art, args.tokens, args.prompt_len, args.repeats, args.threads,
-                               extras=not args.no_extras, emit=log)
+                               extras=not args.no_extras, gguf=args.gguf, emit=log,
+                               gguf_type=args.gguf_type or ("f16" if args.weight_dtype == "float16" else "f32"))
             result["bound_share"] = result["decode_tokens_per_s"] / result["bound_tokens_per_s"]
             ort = result["engines"].get("onnxruntime")
             result["ort_decode_tokens_per_s"] = ort["decode_tokens_per_s"] if ort else None

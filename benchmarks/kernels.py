@@ -1,6 +1,11 @@
 """Benchmark the TVM sparse FFN kernel against torch (dense matmuls, gather + matmul) and a copy bound.
 
     python benchmarks/kernels.py [--d-model 4096] [--n-rows 16384] [--dtype float32] [--kind ffn_relu]
+    python benchmarks/kernels.py --kind up [--d-model 2048] [--n-rows 5632] [--dtype float16]
+
+``--kind up`` measures the dense GEMV instead (kind ``up``, act ``none``, idx = all rows: how every
+linear layer of a model runs), against torch's float32 ``F.linear`` and the copy bandwidth, with
+the weights rotated over enough copies (``--rotate-mib``) that every call reads them from DRAM.
 
 For k = 1, 5, 10, 25, 50, 100 % of the rows (one token): every method is timed once per round, rounds
 are interleaved (so load from other processes hits all methods alike) and medians are reported.
@@ -70,7 +75,8 @@ def main() -> None:
     ap.add_argument("--d-model", type=int, default=4096)
     ap.add_argument("--n-rows", type=int, default=16384)
     ap.add_argument("--dtype", choices=["float32", "float16"], default="float32")
-    ap.add_argument("--kind", choices=["ffn_relu", "ffn_gated"], default="ffn_relu")
+    ap.add_argument("--kind", choices=["ffn_relu", "ffn_gated", "up"], default="ffn_relu")
+    ap.add_argument("--rotate-mib", type=int, default=1024, help="--kind up: weight copies rotated per call")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--copy-mib", type=int, default=512, help="size of the copy-bandwidth buffer")
@@ -78,6 +84,9 @@ def main() -> None:
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
+    if args.kind == "up":
+        dense_gemv(args)
+        return
     d, n, wdt = args.d_model, args.n_rows, getattr(torch, args.dtype)
     gated = args.kind == "ffn_gated"
     spec = KernelSpec(args.kind, "silu" if gated else "relu", d, n, args.dtype, False, "llvm")
@@ -160,6 +169,61 @@ def main() -> None:
               f"{nbytes / (copy_gbs * 1e9) * 1e3:8.3f} {tm.median(f'cold{frac}') * 1e3:8.3f} "
               f"{dense_ms:8.2f} {dense_ms / (t_tvm * 1e3):7.1f} "
               f"{t_gather * 1e3:8.2f} {t_gather / t_tvm:6.1f}")
+
+
+def dense_gemv(args: argparse.Namespace) -> None:
+    """``--kind up``: h = W x over all rows (act none) vs torch float32 F.linear and the copy bound."""
+    d, n, wdt = args.d_model, args.n_rows, getattr(torch, args.dtype)
+    spec = KernelSpec("up", "none", d, n, args.dtype, False, "llvm")
+    kern = load_kernel(build_kernel(spec, args.cache_dir), spec)
+    set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(0)
+    first = _randn_aligned((n, d), wdt, gen)  # [n_rows, d_model]
+
+    def copies(t: torch.Tensor) -> list[torch.Tensor]:  # enough that no call finds its weights in cache
+        count = max(2, -(-args.rotate_mib * 2**20 // (t.numel() * t.element_size())))
+        out = [t]
+        for _ in range(count - 1):
+            c = aligned_empty(t.shape, t.dtype)
+            c.copy_(t)
+            out.append(c)
+        return out
+
+    ws, ws_f = copies(first), copies(first.float())
+    x = aligned_empty((d,))  # [d_model]
+    x.copy_(torch.randn(d, generator=gen))
+    idx = aligned_empty((n,), torch.int32)  # [n_rows]: every row
+    idx.copy_(torch.arange(n, dtype=torch.int32))
+    h = aligned_empty((n,))  # [n_rows]
+    kern(x, ws[0], None, None, idx, h)
+    ref = torch.nn.functional.linear(x.double(), first.double())
+    print(f"kernel {spec.key()}, TVM threads {num_threads()}, torch threads {torch.get_num_threads()}, "
+          f"{len(ws)} weight copies; max relative error {float((h.double() - ref).abs().max() / ref.abs().max()):.2e}")
+    copy_src = torch.randn(args.copy_mib * 2**18, generator=gen)
+    copy_dst = torch.empty_like(copy_src)
+    copy_dst.copy_(copy_src)
+    it = {"tvm": 0, "torch": 0}
+
+    def tvm_call() -> None:
+        it["tvm"] += 1
+        kern.unchecked(x, ws[it["tvm"] % len(ws)], None, None, idx, h)
+
+    def torch_call() -> None:
+        it["torch"] += 1
+        torch.nn.functional.linear(x, ws_f[it["torch"] % len(ws_f)])
+
+    calls = {"copy": lambda: copy_dst.copy_(copy_src), "tvm": tvm_call, "torch fp32": torch_call}
+    tm = Timings()
+    for fn in calls.values():
+        fn()
+    for _ in range(args.repeats * 2):  # interleaved rounds
+        for name, fn in calls.items():
+            tm.add(name, _time(fn))
+    copy_gbs = 2 * copy_src.numel() * 4 / tm.median("copy") / 1e9
+    print(f"[{n} x {d}] {args.dtype}, {args.repeats * 2} interleaved rounds (medians); copy {copy_gbs:.1f} GB/s (r+w)")
+    for name, nbytes in (("tvm", n * d * first.element_size()), ("torch fp32", n * d * 4)):
+        t = tm.median(name)
+        print(f"{name:>10}: {t * 1e3:8.3f} ms {nbytes / t / 1e9:6.1f} GB/s ({nbytes / t / 1e9 / copy_gbs * 100:.0f} % of copy)")
 
 
 if __name__ == "__main__":

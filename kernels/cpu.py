@@ -14,6 +14,20 @@ Fused FFN kinds use ``compute.describe_partitioned`` instead: one parallel regio
 their down-projection rows into a private ``y_part`` (no barrier between up and down, whole rows
 streamed), and ``y`` sums the parts. The separate-phase schedules above serve ``up``/``down`` kinds.
 
+Per row (all schedules), three things keep a core streaming at memory speed (fp16 rows are only
+``2 * d_model`` bytes, so per-row overheads weigh twice as much as for fp32):
+
+* the rfactor accumulators live in a ``global``-scope (i.e. stack) buffer: TVM 0.27 lowers a
+  ``local``-scope allocation inside the parallel loop to a ``TVMBackendAllocWorkspace`` /
+  ``FreeWorkspace`` call pair *per row*; a small constant-size global allocation becomes an
+  ``alloca`` that LLVM keeps in registers;
+* the final lane-sum is a halving tree of vector adds (``lanes -> lanes/2 -> ... -> 2 -> 1``, one
+  more ``rfactor`` per level) instead of a serial chain of ``lanes`` scalar adds;
+* every iteration of the streaming loop over a row also prefetches the same cache line(s) of the
+  *next* selected row (``idx[j + 1]``, an arbitrary row in the sparse case, which the hardware
+  prefetchers cannot guess; at a row boundary they also stop at the 4 KiB page): the next row's
+  lines are in flight while this row is consumed.
+
 The target names the host CPU (``mcpu``): plain ``llvm`` would emit SSE-only code.
 """
 from __future__ import annotations
@@ -34,6 +48,7 @@ class CpuScheduleParams:
     up_lanes: int  # float32 accumulators of one row's dot product (a multiple of the SIMD width)
     down_lanes: int  # vector width along d in the row-axpy
     down_chunk: int  # y elements per parallel task (a multiple of down_lanes, divides d_model)
+    prefetch: bool = True  # software-prefetch the next selected row while streaming this one
 
 
 def _largest_divisor(d: int, candidates: tuple[int, ...]) -> int:
@@ -71,15 +86,118 @@ def host_target() -> tvm.target.Target:
     return tvm.target.Target({"kind": "llvm", "mcpu": cpu, "opt-level": 3})
 
 
-def _schedule_up(sch: s_tir.Schedule, spec: KernelSpec, p: CpuScheduleParams, batched: bool) -> None:
-    """Parallel over rows j; per row (and token) a vectorised rfactor-ed dot product, then ``h``."""
+_LINE_BYTES = 64  # cache line
+_PREFETCH_LOCALITY = 2  # llvm.prefetch locality 2 = prefetcht1 (into L2)
+_PREFETCH_AHEAD = 1  # rows ahead
+
+
+def _tree_levels(lanes: int) -> list[int]:
+    """Lane counts of the halving lane-sum tree below ``lanes``: 64 -> [32, 16, 8, 4, 2]."""
+    levels = []
+    n = lanes
+    while n % 2 == 0 and n > 2:
+        n //= 2
+        levels.append(n)
+    return levels
+
+
+def _rfactor_tree(sch: s_tir.Schedule, name: str, lanes: int) -> list[s_tir.SBlockRV]:
+    """rfactor block ``name`` into ``lanes`` accumulators, then its lane-sum level by level into a
+    halving tree. Returns the new blocks, the main accumulator (reading the weights) first. Must run
+    at the root, before any compute_at (rfactor of a moved block hits an InternalError in 0.27)."""
+    blk = sch.get_sblock(name)
+    _, r_in = sch.split(sch.get_loops(blk)[-1], [None, lanes])
+    rfs = [sch.rfactor(r_in, 0)]
+    for level in _tree_levels(lanes):
+        _, l_in = sch.split(sch.get_loops(blk)[-1], [None, level])
+        rfs.append(sch.rfactor(l_in, 0))
+    return rfs
+
+
+def _place_tree_levels(sch: s_tir.Schedule, rfs: list[s_tir.SBlockRV], anchor: s_tir.LoopRV, n_anchor: int) -> None:
+    """compute_at the tree levels (consumers first) at ``anchor``: each is ``[lo (2), lane]`` below it,
+    the lanes vectorised and the two halves unrolled; stack (``global``) scope, see the module doc."""
+    for rf in reversed(rfs[1:]):
+        sch.compute_at(rf, anchor)
+        lane, lo = sch.get_loops(rf)[n_anchor:]
+        sch.reorder(lo, lane)
+        sch.vectorize(lane)
+        sch.unroll(lo)
+        sch.set_scope(rf, 0, "global")
+
+
+def _loop_var(sch: s_tir.Schedule, loop: s_tir.LoopRV) -> tirx.Var:
+    return sch.get(loop).loop_var
+
+
+def _prefetch(w, row: tirx.PrimExpr, col: tirx.PrimExpr, n_elems: int) -> list[tirx.Stmt]:
+    """Prefetch statements for the cache lines of ``w[row, col : col + n_elems]`` (row start is 64-byte
+    aligned when ``d_model * itemsize`` is a multiple of 64; otherwise a line may be fetched twice)."""
+    step = max(1, _LINE_BYTES // (tvm.DataType(w.dtype).bits // 8))
+    out = []
+    for off in range(0, n_elems, step):
+        addr = tirx.address_of(tirx.BufferLoad(w, [row, col + off]))
+        call = tirx.call_llvm_intrin("void", "llvm.prefetch.p0", addr, 0, _PREFETCH_LOCALITY, 1)
+        out.append(tirx.Evaluate(call))
+    return out
+
+
+def _prepend_to_loops(func: tirx.PrimFunc, inserts: dict[tirx.Var, list[tirx.Stmt]]) -> tirx.PrimFunc:
+    """Return ``func`` with ``inserts[v]`` placed at the start of the body of the loop over ``v``.
+
+    (TVM 0.27 exposes no TIR mutator to Python, so the path to each loop is rebuilt by hand; the
+    scheduled functions only contain SBlockRealize / SBlock / For / SeqStmt on those paths.)"""
+    found: set = set()
+
+    def rw(stmt: tirx.Stmt) -> tirx.Stmt:
+        if isinstance(stmt, tirx.For):
+            body = rw(stmt.body)
+            for var, stmts in inserts.items():
+                if stmt.loop_var.same_as(var):
+                    body = tirx.SeqStmt([*stmts, body])
+                    found.add(var)
+            if body.same_as(stmt.body):
+                return stmt
+            return tirx.For(stmt.loop_var, stmt.min, stmt.extent, stmt.kind, body, stmt.thread_binding,
+                            stmt.annotations, stmt.step)
+        if isinstance(stmt, tirx.SeqStmt):
+            seq = [rw(s) for s in stmt.seq]
+            if all(a.same_as(b) for a, b in zip(seq, stmt.seq)):
+                return stmt
+            return tirx.SeqStmt(seq)
+        if isinstance(stmt, s_tir.SBlockRealize):
+            block = rw(stmt.block)
+            if block.same_as(stmt.block):
+                return stmt
+            return s_tir.SBlockRealize(stmt.iter_values, stmt.predicate, block)
+        if isinstance(stmt, s_tir.SBlock):
+            body = rw(stmt.body)
+            if body.same_as(stmt.body):
+                return stmt
+            return s_tir.SBlock(stmt.iter_vars, stmt.reads, stmt.writes, stmt.name_hint, body, stmt.init,
+                                stmt.alloc_buffers, stmt.match_buffers, stmt.annotations)
+        return stmt
+
+    body = rw(func.body)
+    missing = [v for v in inserts if v not in found]
+    if missing:
+        raise RuntimeError(f"prefetch: loops {missing} not found in the scheduled function")
+    return func.with_body(body)
+
+
+def _buffers(func: tirx.PrimFunc) -> dict:
+    return {buf.name: buf for buf in func.params}  # TVM 0.27: the params are the buffers
+
+
+def _schedule_up(sch: s_tir.Schedule, spec: KernelSpec, p: CpuScheduleParams, batched: bool) -> list:
+    """Parallel over rows j; per row (and token) a vectorised rfactor-ed dot product, then ``h``.
+    Returns the prefetch plan of the weight streams (see ``_add_prefetch``)."""
     names = ("gate", "up") if spec.gated else ("up",)
+    trees: dict[str, list[s_tir.SBlockRV]] = {}
     # rfactor first, at the root (rfactor of a block already moved by compute_at hits an InternalError)
     if p.up_lanes > 1:
         for name in names:
-            blk = sch.get_sblock(name)
-            _, r_in = sch.split(sch.get_loops(blk)[-1], [None, p.up_lanes])
-            sch.rfactor(r_in, 0)
+            trees[name] = _rfactor_tree(sch, name, p.up_lanes)
     h_block = sch.get_sblock("h")
     h_loops = sch.get_loops(h_block)
     if batched:
@@ -93,24 +211,29 @@ def _schedule_up(sch: s_tir.Schedule, spec: KernelSpec, p: CpuScheduleParams, ba
     for name in names:
         blk = sch.get_sblock(name)
         sch.compute_at(blk, anchor)
-        if p.up_lanes > 1:
-            rf = sch.get_sblock(f"{name}_rf")
+        if name in trees:
+            _place_tree_levels(sch, trees[name], anchor, n_anchor)
+            rf = trees[name][0]
             sch.compute_at(rf, anchor)
             # below the anchor: [lane, r_out], or [lane] when d == up_lanes (unit loop dropped)
             lane, *r_out = sch.get_loops(rf)[n_anchor:]
             if r_out:
                 sch.reorder(r_out[0], lane)
             sch.vectorize(lane)
-            sch.set_scope(rf, 0, "local")
-            sch.unroll(sch.get_loops(blk)[n_anchor])  # the final lane-sum
+            sch.set_scope(rf, 0, "global")  # stack, not a per-row workspace call (module doc)
+            sch.unroll(sch.get_loops(blk)[n_anchor])  # the last lane-sum (2 lanes, or all without a tree)
     sch.parallel(j_loop)
     # init statements are split off only after parallel() (it needs the compact reduction block)
-    if p.up_lanes > 1:
-        for name in names:
-            rf = sch.get_sblock(f"{name}_rf")
+    plan = []
+    for name in trees:
+        for rf in trees[name]:
             below = sch.get_loops(rf)[n_anchor:]  # [r_out, lane] after the reorder, or [lane]
             if len(below) == 2:
                 sch.decompose_reduction(rf, below[0])
+        below = sch.get_loops(trees[name][0])[n_anchor:]
+        if len(below) == 2:
+            plan.append((f"w_{name}", _loop_var(sch, j_loop), None, _loop_var(sch, below[0]), p.up_lanes))
+    return plan
 
 
 def _schedule_down(sch: s_tir.Schedule, spec: KernelSpec, p: CpuScheduleParams, batched: bool) -> None:
@@ -130,7 +253,7 @@ def _schedule_down(sch: s_tir.Schedule, spec: KernelSpec, p: CpuScheduleParams, 
     sch.decompose_reduction(y_block, rj)
 
 
-def _schedule_partitioned(sch: s_tir.Schedule, spec: KernelSpec, p: CpuScheduleParams, batched: bool) -> None:
+def _schedule_partitioned(sch: s_tir.Schedule, spec: KernelSpec, p: CpuScheduleParams, batched: bool) -> list:
     """Fused FFN of ``describe_partitioned``: parallel over the parts; in a part, for each row: the
     (vectorised, rfactor-ed) dot product(s) for every token, ``h``, then the row's axpy into the
     part's ``y_part`` (so ``h`` never leaves registers/L1); finally ``y = sum_p y_part[p]``."""
@@ -138,17 +261,21 @@ def _schedule_partitioned(sch: s_tir.Schedule, spec: KernelSpec, p: CpuScheduleP
     n_tok = 1 if batched else 0
     has_r_out = spec.d_model // p.up_lanes > 1  # compute_at drops unit loops
     rfs: dict[str, s_tir.SBlockRV] = {}
+    trees: dict[str, list[s_tir.SBlockRV]] = {}
     if p.up_lanes > 1:  # rfactor at the root, before any compute_at (see _schedule_up)
         for name in names:
-            blk = sch.get_sblock(name)
-            _, r_in = sch.split(sch.get_loops(blk)[-1], [None, p.up_lanes])
-            rf = sch.rfactor(r_in, 0)
+            tree = _rfactor_tree(sch, name, p.up_lanes)
+            rf = tree[0]
             # block iters are [lane, p, jj, t?, r_out] / [lane, p, jj, t?]; compute_at creates loops in
-            # iter order, so put the lane last: loops become [t?, r_out, lane] / [t?, lane]
+            # iter order, so put the lane last: loops become [t?, r_out, lane] / [t?, lane]; likewise
+            # the tree levels: iters [lane, lo, p, jj, t?] -> [p, jj, t?, lo, lane], loops [t?, lo, lane]
             nsp = 3 + n_tok
             sch.reorder_block_iter_var(rf, [*range(1, nsp), nsp, 0])
-            sch.reorder_block_iter_var(blk, [*range(1, nsp), 0])
+            for level in tree[1:]:
+                sch.reorder_block_iter_var(level, [*range(2, nsp + 1), 1, 0])
+            sch.reorder_block_iter_var(sch.get_sblock(name), [*range(1, nsp), 0])
             rfs[name] = rf
+            trees[name] = tree
     yp = sch.get_sblock("y_part")
     if batched:
         part, tt, i, rj = sch.get_loops(yp)
@@ -163,15 +290,30 @@ def _schedule_partitioned(sch: s_tir.Schedule, spec: KernelSpec, p: CpuScheduleP
         blk = sch.get_sblock(name)
         sch.compute_at(blk, rj)
         if name in rfs:
+            for level in reversed(trees[name][1:]):  # consumers first
+                sch.compute_at(level, rj)
+                lo, lane = sch.get_loops(level)[-2:]
+                sch.vectorize(lane)
+                sch.unroll(lo)
+                sch.set_scope(level, 0, "global")
             rf = rfs[name]
             sch.compute_at(rf, rj)
             sch.vectorize(sch.get_loops(rf)[-1])  # the lanes
-            sch.set_scope(rf, 0, "local")
-            sch.unroll(sch.get_loops(blk)[-1])  # the final lane-sum
+            sch.set_scope(rf, 0, "global")  # stack, not a per-row workspace call (module doc)
+            sch.unroll(sch.get_loops(blk)[-1])  # the last lane-sum (2 lanes, or all without a tree)
     sch.parallel(part)
-    if has_r_out:
-        for rf in rfs.values():  # init statements only after parallel() (see _schedule_up)
-            sch.decompose_reduction(rf, sch.get_loops(rf)[-2])  # at r_out
+    plan = []
+    for name, tree in trees.items():  # init statements only after parallel() (see _schedule_up)
+        for level in tree[1:]:
+            sch.decompose_reduction(level, sch.get_loops(level)[-2])
+        if has_r_out:
+            r_out = sch.get_loops(tree[0])[-2]
+            sch.decompose_reduction(tree[0], r_out)
+            plan.append((f"w_{name}", _loop_var(sch, rj), _loop_var(sch, part), _loop_var(sch, r_out), p.up_lanes))
+    # the down rows: y_part loops are [part, rj, t?, i_out, i_lane]
+    io_loop = sch.get_loops(yp)[-2]
+    if spec.d_model // p.down_lanes > 1:
+        plan.append(("w_down_t", _loop_var(sch, rj), _loop_var(sch, part), _loop_var(sch, io_loop), p.down_lanes))
     sch.decompose_reduction(yp, rj)
     y = sch.get_sblock("y")
     loops = sch.get_loops(y)
@@ -180,20 +322,44 @@ def _schedule_partitioned(sch: s_tir.Schedule, spec: KernelSpec, p: CpuScheduleP
     sch.reorder(io, rp, iv)
     sch.vectorize(iv)
     sch.decompose_reduction(y, rp)
+    return plan
 
 
 def schedule(desc: KernelDesc, spec: KernelSpec, params: CpuScheduleParams | None = None) -> tvm.IRModule:
     """Apply the CPU schedule to an unscheduled description; returns the scheduled IRModule."""
     p = params or default_params(spec)
     sch = s_tir.Schedule(desc.func)
+    plan = []
     if desc.partitions is not None:
-        _schedule_partitioned(sch, spec, p, desc.batched)
+        plan = _schedule_partitioned(sch, spec, p, desc.batched)
+    else:
+        if spec.has_up:
+            plan = _schedule_up(sch, spec, p, desc.batched)
+        if spec.has_down:
+            _schedule_down(sch, spec, p, desc.batched)
+    if not (p.prefetch and plan):
         return sch.mod
-    if spec.has_up:
-        _schedule_up(sch, spec, p, desc.batched)
-    if spec.has_down:
-        _schedule_down(sch, spec, p, desc.batched)
-    return sch.mod
+    return tvm.IRModule({"main": _add_prefetch(sch.mod["main"], plan, desc.partitions)})
+
+
+def _add_prefetch(func: tirx.PrimFunc, plan: list, partitions: int | None) -> tirx.PrimFunc:
+    """Insert, at the start of each streaming loop of the plan, prefetches of the lines that the next
+    selected row will read at the same offset. Plan entries: (weight buffer name, row loop var
+    ``jj``, part loop var (partitioned form) or None, streaming loop var, elements per iteration).
+    The next row is ``idx[min(j + 1, k - 1)]`` (``_PREFETCH_AHEAD`` = 1) with ``j = jj`` or ``p * S + jj`` (the partitioned row
+    numbering of ``compute.describe_partitioned``); the clamp keeps the ``idx`` load in bounds."""
+    bufs = _buffers(func)
+    idx = bufs["idx"]
+    k = idx.shape[0]
+    inserts: dict[tirx.Var, list[tirx.Stmt]] = {}
+    for w_name, jj, part, stream, n_elems in plan:
+        w = bufs[w_name]
+        if n_elems * (tvm.DataType(w.dtype).bits // 8) < _LINE_BYTES // 2:
+            continue  # narrow vectors (odd d_model): a prefetch per few elements would cost more than it saves
+        j = jj if part is None else part * tirx.floordiv(k + (partitions - 1), partitions) + jj
+        row = tirx.BufferLoad(idx, [tirx.min(j + _PREFETCH_AHEAD, k - 1)])
+        inserts.setdefault(stream, []).extend(_prefetch(w, row, stream * n_elems, n_elems))
+    return _prepend_to_loops(func, inserts)
 
 
 def as_named(mod: tvm.IRModule, name: str) -> tirx.PrimFunc:

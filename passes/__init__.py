@@ -3,6 +3,7 @@ from picompile.passes import (  # noqa: F401
     allocate_sparsity,
     canonicalize_ffn,
     capture,
+    convert_weights,
     fold_kv_repeat,
     insert_predictors,
     lower_tvm,

@@ -1,6 +1,7 @@
 """lower-tvm: sparse_ffn(x, rows…, mask, part, device) → tvm_sparse_ffn(…, kernel=KEY, gpu_kernel=KEY)
 calling TVM-generated kernels: an llvm kernel for every part (the CPU, and the GPU partition's
-fallback on a machine without one) and a CUDA kernel for the hot part when the target has a GPU.
+fallback on a machine without one) and a CUDA kernel for the hot part when the target has a GPU;
+float16 weights (convert-weights) also: linear → tvm_linear, predict → tvm_predict (llvm GEMV kernels).
 Compiled libraries go to the artifact's kernels/ and are listed in the manifest.
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ KERNEL_DIR = "kernels"
 KERNEL_ACTS: tuple[str, ...] = ("relu", "silu")
 
 
-def _build(ctx: BuildContext, spec: Any, entries: dict[str, dict[str, Any]], layer: int, part: str) -> str:
+def _build(ctx: BuildContext, spec: Any, entries: dict[str, dict[str, Any]], use: str) -> str:
     """Compile (or reuse from the kernel cache) one kernel, copy it into the artifact, return its key."""
     from picompile.kernels import build_kernel
 
@@ -36,8 +37,38 @@ def _build(ctx: BuildContext, spec: Any, entries: dict[str, dict[str, Any]], lay
         shutil.copyfile(meta, dest / meta.name)  # … and its build metadata, which the loader checks
         entries[key] = {"key": key, "file": f"{KERNEL_DIR}/{path.name}", "meta": f"{KERNEL_DIR}/{meta.name}",
                         "spec": spec.__dict__.copy(), "uses": []}
-    entries[key]["uses"].append(f"layer{layer}.{part}")
+    entries[key]["uses"].append(use)
     return key
+
+
+def _gemv_spec(w: torch.Tensor, act: str) -> Any:
+    """Kind ``up`` over every row of ``w`` [d_out, d_in]: a dense GEMV (no bias; the op adds it)."""
+    from picompile.kernels import KernelSpec
+
+    return KernelSpec(kind="up", act=act, d_model=int(w.shape[1]), n_rows=int(w.shape[0]),
+                      weight_dtype=str(w.dtype).removeprefix("torch."), has_bias=False, target="llvm")
+
+
+def _lower_gemvs(gm: fx.GraphModule, ctx: BuildContext, entries: dict[str, dict[str, Any]]) -> None:
+    """linear → tvm_linear; predict with float16 weights → tvm_predict (float32 ones stay: torch's
+    float32 GEMV is faster than the kernel, its float16 one is compute-bound)."""
+    todo = [n for n in gm.graph.nodes if n.op == "call_function" and (is_picompile_op(n.target, "linear") or (
+        is_picompile_op(n.target, "predict") and get_tensor(gm, n.args[1]).dtype == torch.float16))]
+    for node in ctx.track(todo, "compiling TVM GEMV kernels"):
+        if is_picompile_op(node.target, "linear"):
+            x, w, b = node.args
+            key = _build(ctx, _gemv_spec(get_tensor(gm, w), "none"), entries, node.name)
+            op, args = torch.ops.picompile.tvm_linear.default, (x, w, b, key)
+        else:
+            x, fc1, fc2, threshold, layer = node.args
+            k1 = _build(ctx, _gemv_spec(get_tensor(gm, fc1), "relu"), entries, f"layer{layer}.predictor.fc1")
+            k2 = _build(ctx, _gemv_spec(get_tensor(gm, fc2), "none"), entries, f"layer{layer}.predictor.fc2")
+            op, args = torch.ops.picompile.tvm_predict.default, (x, fc1, fc2, threshold, layer, k1, k2)
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(op, args)
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
 
 
 @register_pass("lower-tvm")
@@ -49,6 +80,7 @@ def lower_tvm(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
     nodes = [n for n in gm.graph.nodes if n.op == "call_function" and is_picompile_op(n.target, "sparse_ffn")]
     if not nodes:
         raise PassError("lower-tvm found no sparse_ffn node to lower (run split-ffn first)")
+    _lower_gemvs(gm, ctx, entries)
     for node in ctx.track(nodes, "compiling TVM kernels"):
         x, w_up, b_up, w_gate, w_down_t, mask, act, layer, part, device = node.args
         up = get_tensor(gm, w_up)  # [n_rows, d_model]
@@ -60,9 +92,9 @@ def lower_tvm(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
         if n_rows > 0:
             common = dict(kind="ffn_gated" if w_gate is not None else "ffn_relu", act=act, d_model=d_model,
                           n_rows=n_rows, weight_dtype=str(up.dtype).removeprefix("torch."), has_bias=b_up is not None)
-            cpu_key = _build(ctx, KernelSpec(**common, target="llvm"), entries, layer, part)
+            cpu_key = _build(ctx, KernelSpec(**common, target="llvm"), entries, f"layer{layer}.{part}")
             if device == "gpu" and ctx.target.has_gpu:
-                gpu_key = _build(ctx, KernelSpec(**common, target=f"cuda:{ctx.target.cuda_arch}"), entries, layer, part)
+                gpu_key = _build(ctx, KernelSpec(**common, target=f"cuda:{ctx.target.cuda_arch}"), entries, f"layer{layer}.{part}")
         with gm.graph.inserting_before(node):
             new = gm.graph.call_function(torch.ops.picompile.tvm_sparse_ffn.default, (*node.args, cpu_key, gpu_key))
         new.meta.update(node.meta)

@@ -21,6 +21,7 @@ WEIGHTS_FILE = "weights.safetensors"
 RECORDED_OPTIONS: tuple[str, ...] = (
     "predictor", "seed", "calibration_tokens", "act_sparsity", "act_criterion", "sparsity_allocation", "allocation_step",
     "allocation_tokens", "recall_target", "predictor_budget", "predictor_epochs", "placement_batch", "min_layer_neurons",
+    "weight_dtype",
 )
 
 
@@ -95,7 +96,7 @@ def package(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
             "outputs": ["logits"] + [f"present_{i}" for i in range(len(past))],
             "weights": keys,
         },
-        weights={"file": WEIGHTS_FILE, "dtype": "float32"},
+        weights={"file": WEIGHTS_FILE, "dtype": ctx.config.weight_dtype},
         layers=[layer.to_json() for layer in ctx.ffn_layers],
         tokenizer=tokenizer,
         sections=dict(ctx.manifest_extra),

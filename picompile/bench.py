@@ -541,7 +541,11 @@ def run_bench(
         "load_average": [load_before[0], os.getloadavg()[0]],
         "target": manifest.target.get("name"),
         "predictor": manifest.build.get("predictor"),
+        "weight_dtype": manifest.weights.get("dtype", "float32"),
     }
+    if "llama.cpp" in rates:
+        result["llama_cpp_decode_tokens_per_s"] = rates["llama.cpp"][1]
+        result["decode_vs_llama_cpp"] = dc / rates["llama.cpp"][1]
     if dense_artifact:
         apf, adc = rates["picompile-dense"]
         result["artifact_dense_decode_tokens_per_s"] = adc

@@ -37,7 +37,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         print_after=_split_names(args.print_after), dump_ir=Path(args.dump_ir) if args.dump_ir else None,
         progress=not args.quiet, calibration_tokens=args.calibration_tokens, act_sparsity=args.act_sparsity,
         act_criterion=args.act_criterion, sparsity_allocation=args.sparsity_allocation, allocation_tokens=args.allocation_tokens, recall_target=args.recall_target, predictor_budget=args.predictor_budget,
-        placement_batch=args.placement_batch, min_layer_neurons=args.min_layer_neurons,
+        placement_batch=args.placement_batch, min_layer_neurons=args.min_layer_neurons, weight_dtype=args.weight_dtype,
     )
     err = _console()
     start = time.perf_counter()
@@ -138,6 +138,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--calibration-tokens", type=int, default=4096, metavar="N", help="tokens to profile (default 4096)")
     b.add_argument("--act-sparsity", type=float, default=0.5, metavar="F",
                    help="non-ReLU FFNs: mean fraction of neurons counted inactive per layer (default 0.5)")
+    b.add_argument("--weight-dtype", choices=["float32", "float16"], default="float32",
+                   help="dtype of the linear and FFN weights in the artifact (float16: half the bytes per token; "
+                        "activations, norms, embeddings and the KV cache stay float32)")
     b.add_argument("--act-criterion", choices=["gate", "product"], default="gate",
                    help="non-ReLU gated FFNs: a neuron is active when |act(gate x)| (gate, CATS; default) or "
                         "|act(gate x)·(up x)| (product: its real output) exceeds the layer's threshold")

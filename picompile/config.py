@@ -11,6 +11,7 @@ SparsityAllocation = Literal["greedy", "uniform"]
 RELU_RECALL: float = 0.95
 DENSE_RECALL: float = 0.99
 ActCriterion = Literal["gate", "product"]
+WeightDType = Literal["float32", "float16"]
 
 
 def default_cache_dir() -> Path:
@@ -44,6 +45,7 @@ class BuildConfig:
     # None = RELU_RECALL when every FFN is ReLU (sparse, redundant: misses cost little), else DENSE_RECALL
     predictor_budget: float = 0.2  # all predictors together, as a fraction of FFN parameters
     predictor_epochs: int = 20
+    weight_dtype: WeightDType = "float32"  # linear and FFN weights in the artifact (pass convert-weights)
     placement_batch: int = 64  # neurons per placement decision (PowerInfer: 64 in the paper, 256 in code)
     min_layer_neurons: int = 0  # a layer using the GPU holds at least this many hot neurons (0 = off)
     kernel_cache: Path = field(default_factory=lambda: default_cache_dir() / "kernels")  # compiled TVM kernels
@@ -64,6 +66,7 @@ class BuildConfig:
 
         checks = [
             (0.0 <= self.act_sparsity < 1.0, "--act-sparsity must be in [0, 1)", self.act_sparsity),
+            (self.weight_dtype in ("float32", "float16"), "--weight-dtype must be float32 or float16", self.weight_dtype),
             (self.act_criterion in ("gate", "product"), "--act-criterion must be gate or product", self.act_criterion),
             (self.sparsity_allocation in ("greedy", "uniform"), "--sparsity-allocation must be greedy or uniform",
              self.sparsity_allocation),

@@ -35,7 +35,7 @@ TOKEN_SUFFIXES: tuple[str, ...] = (".npy", ".json")
 DOC_SEPARATOR = "<|endoftext|>"  # TinyStories-style document separator: documents are encoded one by one with BOS
 RELU_SWEEP: tuple[float, ...] = (0.9, 0.95, 0.99, 0.999)  # recall targets
 ACT_SWEEP: tuple[float, ...] = (0.0, 0.3, 0.5, 0.7)  # act_sparsity values (non-ReLU FFNs)
-MASK_OPS: dict[str, int] = {"predict": 4, "oracle_mask": 5}  # mask-producing op -> position of its layer arg
+MASK_OPS: dict[str, int] = {"predict": 4, "tvm_predict": 4, "oracle_mask": 5}  # mask-producing op -> position of its layer arg
 
 Advance = Callable[[int], None]  # advance by n graph calls
 

@@ -15,6 +15,9 @@ sparse_ffn         SparseFFN       x, w_up, b_up, w_gate, w_down_t, mask /
                                    act, layer, part, device, n_rows, d_model, gated
 tvm_sparse_ffn     TvmSparseFFN    as SparseFFN, plus kernel, gpu_kernel (kernel keys)
 merge              Merge           hot, cold, bias / layer, d_model
+linear             Linear          x, w, b / n_rows, d_model   (float16 weights: convert-weights)
+tvm_linear         TvmLinear       as Linear, plus kernel
+tvm_predict        TvmPredict      as Predict, plus kernel1, kernel2
 =================  ==============  =============================================================
 
 ``n_rows`` is the neuron count the node covers (the part's rows for SparseFFN, all neurons for
@@ -54,8 +57,11 @@ OP_TYPES: dict[str, str] = {
     "sparse_ffn": "SparseFFN",
     "tvm_sparse_ffn": "TvmSparseFFN",
     "merge": "Merge",
+    "linear": "Linear",
+    "tvm_linear": "TvmLinear",
+    "tvm_predict": "TvmPredict",
 }
-MASK_OUTPUT: set[str] = {"predict", "oracle_mask"}  # ops whose output is a bool mask
+MASK_OUTPUT: set[str] = {"predict", "tvm_predict", "oracle_mask"}  # ops whose output is a bool mask
 
 _FLOAT_TYPES: list[str] = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(double)"]
 
@@ -128,6 +134,19 @@ def _t_predict(x: Any, fc1: Any, fc2: Any, threshold: float, layer: int) -> Any:
                                                 rank=_rows(fc1), d_model=_d_model(x)))
 
 
+def _t_tvm_predict(x: Any, fc1: Any, fc2: Any, threshold: float, layer: int, kernel1: str, kernel2: str) -> Any:
+    return _emit("tvm_predict", [x, fc1, fc2], dict(threshold=float(threshold), layer=layer, kernel1=kernel1,
+                                                    kernel2=kernel2, n_rows=_rows(fc2), rank=_rows(fc1), d_model=_d_model(x)))
+
+
+def _t_linear(x: Any, w: Any, b: Optional[Any]) -> Any:
+    return _emit("linear", [x, w, b], dict(n_rows=_rows(w), d_model=_d_model(x)))
+
+
+def _t_tvm_linear(x: Any, w: Any, b: Optional[Any], kernel: str) -> Any:
+    return _emit("tvm_linear", [x, w, b], dict(kernel=kernel, n_rows=_rows(w), d_model=_d_model(x)))
+
+
 def _t_oracle_mask(x: Any, w: Any, b: Optional[Any], act: str, threshold: float, layer: int,
                    w_mul: Optional[Any] = None) -> Any:
     return _emit("oracle_mask", [x, w, b, w_mul], dict(act=act, threshold=float(threshold), layer=layer, n_rows=_rows(w),
@@ -160,7 +179,8 @@ def translation_table() -> dict[Any, Any]:
     ops = torch.ops.picompile
     return {ops.ffn.default: _t_ffn, ops.predict.default: _t_predict, ops.oracle_mask.default: _t_oracle_mask,
             ops.sparse_ffn.default: _t_sparse_ffn, ops.tvm_sparse_ffn.default: _t_tvm_sparse_ffn,
-            ops.merge.default: _t_merge}
+            ops.merge.default: _t_merge, ops.linear.default: _t_linear, ops.tvm_linear.default: _t_tvm_linear,
+            ops.tvm_predict.default: _t_tvm_predict}
 
 
 def require_onnxscript() -> None:

@@ -18,6 +18,14 @@ ACTIVATIONS: dict[str, object] = {
 }
 
 
+def lin(x: Tensor, w: Tensor, b: Optional[Tensor] = None) -> Tensor:
+    """``F.linear`` for weights stored narrower than ``x`` (float16 artifacts): computed in the weights' dtype,
+    as llama.cpp does for f16 weights (torch's CPU float16 GEMM is fast for several tokens), returned in x's."""
+    if w.dtype == x.dtype:
+        return torch.nn.functional.linear(x, w, b)
+    return torch.nn.functional.linear(x.to(w.dtype), w, None if b is None else b.to(w.dtype)).to(x.dtype)
+
+
 def apply_act(x: Tensor, act: str) -> Tensor:
     fn = ACTIVATIONS.get(act)
     if fn is None:
@@ -44,7 +52,7 @@ def ffn(
     h = _hidden(x, w_up, b_up, w_gate, act)  # [..., n_neurons]
     if mask is not None:
         h = h * mask
-    return torch.nn.functional.linear(h, w_down, b_down)  # [..., d_model]
+    return lin(h, w_down, b_down)  # [..., d_model]
 
 
 @ffn.register_fake
@@ -55,8 +63,8 @@ def _ffn_fake(x: Tensor, w_up: Tensor, b_up: Optional[Tensor], w_gate: Optional[
 
 def _hidden(x: Tensor, w_up: Tensor, b_up: Optional[Tensor], w_gate: Optional[Tensor], act: str) -> Tensor:
     """Neuron outputs before the down projection: act(up x) or act(gate x) * up x."""
-    up = torch.nn.functional.linear(x, w_up, b_up)
-    return apply_act(up, act) if w_gate is None else apply_act(torch.nn.functional.linear(x, w_gate), act) * up
+    up = lin(x, w_up, b_up)
+    return apply_act(up, act) if w_gate is None else apply_act(lin(x, w_gate), act) * up
 
 
 @torch.library.custom_op("picompile::predict", mutates_args=())
@@ -68,7 +76,7 @@ def predict(
     layer: int,
 ) -> Tensor:
     """PowerInfer's predictor: ``fc2(relu(fc1 x)) > threshold`` → [..., n_neurons] bool mask."""
-    return torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(x, fc1)), fc2) > threshold
+    return lin(torch.relu(lin(x, fc1)), fc2) > threshold
 
 
 @predict.register_fake
@@ -79,8 +87,8 @@ def _predict_fake(x: Tensor, fc1: Tensor, fc2: Tensor, threshold: float, layer: 
 def activation_score(x: Tensor, w: Tensor, b: Optional[Tensor], act: str, w_mul: Optional[Tensor] = None) -> Tensor:
     """How strongly each neuron fires: ``|act(w x + b)|``, or ``|act(w x + b) · (w_mul x)|`` (the neuron's
     actual output in a gated FFN, w = gate and w_mul = up: the "product" criterion). [..., n_neurons]"""
-    a = apply_act(torch.nn.functional.linear(x, w, b), act)
-    return (a if w_mul is None else a * torch.nn.functional.linear(x, w_mul)).abs()
+    a = apply_act(lin(x, w, b), act)
+    return (a if w_mul is None else a * lin(x, w_mul)).abs()
 
 
 @torch.library.custom_op("picompile::oracle_mask", mutates_args=())
@@ -127,11 +135,18 @@ def sparse_ffn(
         idx = mask.reshape(-1).nonzero().squeeze(1)  # [n_active]
         xr = x.reshape(1, d)
         h = _hidden(xr, w_up[idx], None if b_up is None else b_up[idx], None if w_gate is None else w_gate[idx], act)
-        return (h @ w_down_t[idx]).reshape(x.shape)  # [..., d_model]
+        return _down(h, w_down_t[idx]).reshape(x.shape)  # [..., d_model]
     h = _hidden(x, w_up, b_up, w_gate, act)  # [..., k]
     if mask is not None:
         h = h * mask
-    return h @ w_down_t
+    return _down(h, w_down_t)
+
+
+def _down(h: Tensor, w_down_t: Tensor) -> Tensor:
+    """``h @ w_down_t`` ([..., k] @ [k, d_model]), in the weights' dtype when they are narrower."""
+    if w_down_t.dtype == h.dtype:
+        return h @ w_down_t
+    return (h.to(w_down_t.dtype) @ w_down_t).to(h.dtype)
 
 
 @sparse_ffn.register_fake
@@ -195,12 +210,10 @@ def tvm_sparse_ffn(
     if kern is None:
         raise RuntimeError(f"TVM kernel {kernel} (layer {layer}, {part} part) is not loaded")
     idx = _all_rows(w_up.shape[0]) if mask is None else mask.reshape(-1).nonzero().squeeze(1).to(torch.int32)
-    from picompile.kernels import aligned_empty, as_aligned
+    from picompile.kernels import as_aligned
 
     xv = as_aligned(x.reshape(d))  # x itself when contiguous and 64-byte aligned (the usual case)
-    y = torch.empty(d, dtype=torch.float32)  # [d_model]; torch's CPU allocator aligns to 64 bytes …
-    if y.data_ptr() % 64:
-        y = aligned_empty(d)  # … and this is the fallback should it not
+    y = _out(d)  # [d_model]
     kern.unchecked(xv, w_up, w_gate, b_up, w_down_t, idx, y)  # type: ignore[attr-defined]
     return y.reshape(x.shape)
 
@@ -210,3 +223,86 @@ def _tvm_sparse_ffn_fake(x: Tensor, w_up: Tensor, b_up: Optional[Tensor], w_gate
                          mask: Optional[Tensor], act: str, layer: int, part: str, device: str, kernel: str,
                          gpu_kernel: str) -> Tensor:
     return torch.empty_like(x)
+
+
+@torch.library.custom_op("picompile::linear", mutates_args=())
+def linear(
+    x: Tensor,  # [..., d_in] float32
+    w: Tensor,  # [d_out, d_in] in the artifact's weight dtype (float16)
+    b: Optional[Tensor],  # [d_out] float32
+) -> Tensor:
+    """A linear layer whose weights are stored in a narrower dtype than its activations (``convert-weights``)."""
+    return lin(x, w, None) if b is None else lin(x, w, None) + b  # [..., d_out]
+
+
+@linear.register_fake
+def _linear_fake(x: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+def _out(n: int) -> Tensor:
+    """An uninitialised float32 [n], 64-byte aligned (what the TVM kernels require)."""
+    y = torch.empty(n, dtype=torch.float32)  # torch's CPU allocator aligns to 64 bytes …
+    if y.data_ptr() % 64:
+        from picompile.kernels import aligned_empty
+
+        y = aligned_empty(n)  # … and this is the fallback should it not
+    return y
+
+
+def _gemv(kernel: str, x: Tensor, w: Tensor, what: str) -> Tensor:
+    """``w @ x`` for one token through the TVM kernel ``kernel`` (kind ``up``: every row of w). [d_out]"""
+    kern = KERNEL_TABLE.get(kernel)
+    if kern is None:
+        raise RuntimeError(f"TVM kernel {kernel} ({what}) is not loaded")
+    from picompile.kernels import as_aligned
+
+    y = _out(w.shape[0])
+    kern.unchecked(as_aligned(x.reshape(-1)), w, None, None, _all_rows(w.shape[0]), y)  # type: ignore[attr-defined]
+    return y
+
+
+@torch.library.custom_op("picompile::tvm_linear", mutates_args=())
+def tvm_linear(
+    x: Tensor,  # [..., d_in] float32
+    w: Tensor,  # [d_out, d_in] float16
+    b: Optional[Tensor],  # [d_out] float32
+    kernel: str,  # key of the llvm GEMV kernel (kind "up", act "none") in KERNEL_TABLE
+) -> Tensor:
+    """``linear`` lowered: one token runs the TVM GEMV (fp16 weights widened in registers, fp32 accumulation);
+    several tokens (prefill) take torch's float16 GEMM (``linear``)."""
+    if x.numel() != x.shape[-1]:
+        return linear(x, w, b)
+    y = _gemv(kernel, x, w, "linear")
+    if b is not None:
+        y += b
+    return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+@tvm_linear.register_fake
+def _tvm_linear_fake(x: Tensor, w: Tensor, b: Optional[Tensor], kernel: str) -> Tensor:
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+@torch.library.custom_op("picompile::tvm_predict", mutates_args=())
+def tvm_predict(
+    x: Tensor,  # [..., d_model]
+    fc1: Tensor,  # [rank, d_model]
+    fc2: Tensor,  # [n_neurons, rank]
+    threshold: float,
+    layer: int,
+    kernel1: str,  # llvm kernel: relu(fc1 x) (kind "up", act "relu")
+    kernel2: str,  # llvm kernel: fc2 h (kind "up", act "none")
+) -> Tensor:
+    """``predict`` lowered to two TVM GEMVs for one token; several tokens take ``predict``."""
+    if x.numel() != x.shape[-1]:
+        return predict(x, fc1, fc2, threshold, layer)
+    h = _gemv(kernel1, x, fc1, f"layer {layer} predictor fc1")  # [rank]
+    scores = _gemv(kernel2, h, fc2, f"layer {layer} predictor fc2")  # [n_neurons]
+    return (scores > threshold).reshape(*x.shape[:-1], fc2.shape[0])
+
+
+@tvm_predict.register_fake
+def _tvm_predict_fake(x: Tensor, fc1: Tensor, fc2: Tensor, threshold: float, layer: int, kernel1: str,
+                      kernel2: str) -> Tensor:
+    return x.new_empty((*x.shape[:-1], fc2.shape[0]), dtype=torch.bool)

@@ -19,7 +19,7 @@ from picompile.graph import format_graph, lint
 # PowerInfer's offline half: profile → predictors → placement → predictor nodes → hot/cold split
 _SPARSE: list[str] = [
     "capture", "canonicalize-ffn", "fold-kv-repeat", "profile-activations", "allocate-sparsity", "train-predictors",
-    "place-neurons", "insert-predictors", "split-ffn",
+    "place-neurons", "insert-predictors", "split-ffn", "convert-weights",
 ]
 PIPELINES: dict[str, list[str]] = {
     # the sparse hot/cold graph with its parts lowered to TVM kernels
@@ -27,7 +27,7 @@ PIPELINES: dict[str, list[str]] = {
     # the same graph on the reference torch ops (no TVM): what the kernels are checked against
     "reference": [*_SPARSE, "package"],
     # the model as captured, FFNs in canonical form: what every sparse build is checked against
-    "dense": ["capture", "canonicalize-ffn", "fold-kv-repeat", "package"],
+    "dense": ["capture", "canonicalize-ffn", "fold-kv-repeat", "convert-weights", "package"],
 }
 
 

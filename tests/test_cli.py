@@ -19,7 +19,8 @@ def test_build_print_after_and_dump_ir(checkpoints: dict, tmp_path: Path, capsys
     assert printed.count("torch.ops.picompile.ffn.default(") == 2  # one per layer
     assert "aten.relu" not in printed
     files = sorted(p.name for p in ir.iterdir())
-    assert files == ["001_capture.txt", "002_canonicalize-ffn.txt", "003_fold-kv-repeat.txt", "004_package.txt"]
+    assert files == ["001_capture.txt", "002_canonicalize-ffn.txt", "003_fold-kv-repeat.txt", "004_convert-weights.txt",
+                     "005_package.txt"]
     assert "aten.relu.default" in (ir / "001_capture.txt").read_text()
 
     rc = main(["inspect", str(out), "--json"])

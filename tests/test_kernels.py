@@ -188,6 +188,49 @@ def test_compiled_function_handles_k0_itself(cache_dir: Path) -> None:
     assert torch.count_nonzero(y) == 0
 
 
+@pytest.mark.parametrize("wdt", ["float32", "float16"])
+@pytest.mark.parametrize("d, n", [(2048, 96), (192, 130)])  # 64 lanes + halving tree, r_out 32 / 3
+def test_cpu_dense_gemv_matches_torch(wdt: str, d: int, n: int, cache_dir: Path) -> None:
+    """Kind ``up``/act ``none`` with idx = all rows is the dense GEMV of a linear layer."""
+    spec = KernelSpec("up", "none", d, n, wdt, False, "llvm")
+    kern = _kernel(spec, cache_dir)
+    gen = torch.Generator().manual_seed(d * 1000 + n)
+    w = as_aligned((torch.randn(n, d, generator=gen) / d**0.5).to(TORCH_DT[wdt]))  # [n, d]
+    idx = as_aligned(torch.arange(n, dtype=torch.int32))  # [n]: every row, last one included
+    for tok in ((), (3,)):
+        x = as_aligned(torch.randn(*tok, d, generator=gen))  # [t?, d]
+        h = aligned_empty((*tok, n))  # [t?, n]
+        h.fill_(float("nan"))
+        kern(x, w, None, None, idx, h)
+        ref = torch.nn.functional.linear(x.double(), w.double())  # fp16 weights are exact in fp32
+        err = float((h.double() - ref).abs().max() / ref.abs().max())
+        assert err < 1e-5, f"{wdt} d={d} n={n} t={tok}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("kind", ["up", "up_gated", "ffn_relu", "ffn_gated"])
+@pytest.mark.parametrize("batched", [False, True])
+def test_cpu_schedule_streams_rows(kind: str, batched: bool) -> None:
+    """The CPU schedule's per-row structure (see kernels/cpu.py): rfactor accumulators on the stack
+    (no ``local`` scope: TVM lowers that to a workspace call per row), a halving lane-sum tree, and
+    prefetches of the next selected row in every weight-streaming loop (none with prefetch=False)."""
+    import dataclasses
+
+    from picompile.kernels import cpu
+    from picompile.kernels.compute import describe, describe_partitioned
+
+    spec = KernelSpec(kind, "relu", 256, 512, "float16", False, "llvm")
+    desc = describe_partitioned(spec, 2, batched) if kind.startswith("ffn") else describe(spec, batched)
+    params = cpu.default_params(spec, cores=2)
+    text = cpu.schedule(desc, spec, params).script()
+    assert 'scope="local"' not in text
+    assert "T.unroll(64)" not in text and "T.unroll(2)" in text  # tree, not a 64-add chain
+    streams = {"up": 1, "up_gated": 2, "ffn_relu": 2, "ffn_gated": 3}[kind]  # weight matrices read
+    assert text.count("llvm.prefetch") == streams * 2  # 64 fp16 lanes per iteration = 2 cache lines
+    assert "k - 1)" in text  # the next-row index is clamped
+    plain = cpu.schedule(desc, spec, dataclasses.replace(params, prefetch=False)).script()
+    assert "llvm.prefetch" not in plain
+
+
 def test_dense_fallback_matches_reference() -> None:
     spec = KernelSpec("ffn_gated", "silu", 64, 128, "float16", True, "llvm")
     gen = torch.Generator().manual_seed(2)

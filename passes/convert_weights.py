@@ -1,0 +1,96 @@
+"""convert-weights (--weight-dtype float16): aten.linear(x, W) → picompile.linear(x, W.half(), b), and the rows of
+sparse_ffn / ffn / predict / oracle_mask → float16; activations, norms, biases (but b_up), embeddings and the
+KV cache stay float32. --weight-dtype float32 leaves the graph as it is.
+"""
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+import picompile.ops  # noqa: F401  (registers picompile:: ops)
+from picompile.context import BuildContext
+from picompile.errors import PassError
+from picompile.graph import get_tensor
+from picompile.ops import is_picompile_op
+from picompile.passes.insert_predictors import add_buffer
+from picompile.passes.registry import register_pass
+
+aten = torch.ops.aten
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16}
+# picompile op -> positions of the weight tensors it reads in the artifact's weight dtype
+# (b_up goes with its rows: the kernels take it in the weight dtype)
+WEIGHT_ARGS: dict[str, tuple[int, ...]] = {
+    "ffn": (1, 2, 3, 4), "sparse_ffn": (1, 2, 3, 4), "predict": (1, 2), "oracle_mask": (1, 2, 6),
+}
+
+
+class _Converter:
+    """One narrowed copy per weight tensor (a weight shared by several nodes stays shared)."""
+
+    def __init__(self, gm: fx.GraphModule, dtype: torch.dtype) -> None:
+        self.gm, self.dtype = gm, dtype
+        self.done: dict[fx.Node, fx.Node] = {}
+        self.count = 0
+        self.bytes_before = self.bytes_after = 0
+
+    def __call__(self, arg: object, user: fx.Node) -> object:
+        if not isinstance(arg, fx.Node) or arg.op != "get_attr":
+            return arg
+        if arg not in self.done:
+            t = get_tensor(self.gm, arg)
+            if not t.is_floating_point() or t.dtype == self.dtype:
+                return arg
+            first = next(n for n in self.gm.graph.nodes if n in arg.users)  # before every user of the original
+            name = f"{str(arg.target).replace('.', '_')}_{str(self.dtype).removeprefix('torch.')}"
+            self.done[arg] = add_buffer(self.gm, name, t.to(self.dtype), first)
+            self.count += 1
+            self.bytes_before += t.numel() * t.element_size()
+            self.bytes_after += t.numel() * self.dtype.itemsize
+        return self.done[arg]
+
+
+@register_pass("convert-weights")
+def convert_weights(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
+    dtype = DTYPES.get(ctx.config.weight_dtype)
+    if dtype is None:
+        raise PassError(f"unknown weight dtype {ctx.config.weight_dtype!r}; known: {', '.join(DTYPES)}")
+    if dtype == torch.float32:
+        ctx.manifest_extra["convert_weights"] = {"dtype": "float32", "converted": 0}
+        return gm
+    conv = _Converter(gm, dtype)
+    linears = kept = 0
+    why_kept: list[str] = []
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is aten.linear.default:
+            x, w, *rest = node.args
+            b = rest[0] if rest else node.kwargs.get("bias")
+            if not (isinstance(w, fx.Node) and w.op == "get_attr"):
+                kept += 1
+                why_kept.append(f"{node.name}: its weight is computed ({getattr(w, 'target', w)}), not a stored tensor")
+                continue
+            with gm.graph.inserting_before(node):
+                new = gm.graph.call_function(torch.ops.picompile.linear.default, (x, conv(w, node), b))
+            new.meta.update(node.meta)
+            node.replace_all_uses_with(new)
+            gm.graph.erase_node(node)
+            linears += 1
+            continue
+        for op, positions in WEIGHT_ARGS.items():
+            if is_picompile_op(node.target, op):
+                args = list(node.args)
+                for pos in positions:
+                    if pos < len(args):
+                        args[pos] = conv(args[pos], node)
+                node.args = tuple(args)
+                break
+    for node in list(gm.graph.nodes):  # the float32 originals no longer read (an embedding keeps its own)
+        if node.op == "get_attr" and not node.users:
+            gm.graph.erase_node(node)
+    gm.recompile()
+    ctx.manifest_extra["convert_weights"] = {
+        "dtype": ctx.config.weight_dtype, "converted": conv.count, "linear_nodes": linears,
+        "bytes_before": conv.bytes_before, "bytes_after": conv.bytes_after, "kept": why_kept,
+    }
+    return gm

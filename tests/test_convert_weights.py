@@ -1,0 +1,131 @@
+"""convert-weights alone (structure + numerics), and float16 artifacts end to end (TVM GEMV kernels, hybrid)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+import picompile
+from picompile.graph import count_ops, get_tensor
+from picompile.ops import is_picompile_op
+from picompile.testing import context_for, run_passes
+
+PREFIX = ["capture", "canonicalize-ffn", "fold-kv-repeat", "profile-activations", "train-predictors", "place-neurons",
+          "insert-predictors", "split-ffn"]
+PROMPT = [5, 17, 33, 4, 99, 120, 7]
+
+
+def _decode(gm: torch.fx.GraphModule, ctx, ids: list[int]) -> torch.Tensor:
+    """Prefill ids[:-1], then one decode step (the batched and the one-token paths). [len(ids), vocab]"""
+    past = ctx.info.kv_tensors()
+    with torch.no_grad():
+        out = gm(torch.tensor([ids[:-1]]), *past)
+        step = gm(torch.tensor([ids[-1:]]), *out[1:])
+    return torch.cat([out[0][0], step[0][0]])
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("key", [("llama", "relu"), ("opt", "relu")])
+def test_convert_float16(key: tuple[str, str], checkpoints: dict, tmp_path: Path) -> None:
+    ctx = context_for(checkpoints[key], tmp_path, calibration_tokens=256, target="rtx4090", vram_budget_gib=0.0004,
+                      placement_batch=8, weight_dtype="float16")
+    gm = run_passes(ctx, PREFIX)
+    ids = [7, 3, 99, 42, 5, 61]
+    before = _decode(gm, ctx, ids)
+    n_linear = count_ops(gm)["aten::linear"]
+    gm = run_passes(ctx, ["convert-weights"], gm)
+    ops = count_ops(gm)
+    assert "aten::linear" not in ops and ops["picompile::linear"] == n_linear
+    fp16 = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if is_picompile_op(node.target, "linear"):
+            assert get_tensor(gm, node.args[1]).dtype == torch.float16
+            if node.args[2] is not None:  # biases stay float32
+                assert get_tensor(gm, node.args[2]).dtype == torch.float32
+            fp16 += 1
+        elif is_picompile_op(node.target, "sparse_ffn") or is_picompile_op(node.target, "predict"):
+            for arg in node.args[1:5]:
+                if isinstance(arg, torch.fx.Node) and arg.op == "get_attr":
+                    assert get_tensor(gm, arg).dtype == torch.float16, node.format_node()
+        elif node.target is torch.ops.aten.embedding.default:
+            assert get_tensor(gm, node.args[0]).dtype == torch.float32
+    assert fp16 == n_linear
+    # no float32 copy of a converted weight is left behind (it would go into the artifact)
+    for node in gm.graph.find_nodes(op="get_attr"):
+        t = get_tensor(gm, node)
+        if t.dim() == 2 and t.dtype == torch.float32:  # only embedding tables (an OPT one is tied to lm_head)
+            assert {u.target for u in node.users} == {torch.ops.aten.embedding.default}, node.name
+    info = ctx.manifest_extra["convert_weights"]
+    assert info["bytes_after"] * 2 == info["bytes_before"] and info["converted"] > 0
+    after = _decode(gm, ctx, ids)
+    assert 0 < _rel(after, before) < 1e-2  # float16 rounding: changed, but little
+
+
+def test_float32_is_unchanged(checkpoints: dict, tmp_path: Path) -> None:
+    ctx = context_for(checkpoints[("llama", "relu")], tmp_path, calibration_tokens=256, predictor="oracle")
+    gm = run_passes(ctx, PREFIX)
+    text = gm.code
+    gm = run_passes(ctx, ["convert-weights"], gm)
+    assert gm.code == text and ctx.manifest_extra["convert_weights"]["converted"] == 0
+
+
+@pytest.mark.parametrize("predictor", ["trained", "oracle"])
+def test_float16_artifact(predictor: str, checkpoints: dict, tmp_path: Path) -> None:
+    ckpt = checkpoints[("llama", "relu")]
+    opts = dict(target="rtx4090", vram_budget_gib=0.0004, placement_batch=8, calibration_tokens=256,
+                predictor=predictor, emit=lambda s: None)
+    out16 = picompile.build(ckpt, output=tmp_path / "h.pic", weight_dtype="float16", **opts)
+    ref16 = picompile.build(ckpt, output=tmp_path / "r.pic", weight_dtype="float16", pipeline="reference", **opts)
+    session = picompile.load(out16, hybrid="off")
+    ops = count_ops(session.graph)
+    assert "aten::linear" not in ops and ops["picompile::tvm_linear"] == 4 * 2 + 1  # q k v o of 2 layers + lm_head
+    assert session.manifest.weights["dtype"] == "float16"
+    kinds = {(k["spec"]["kind"], k["spec"]["act"], k["spec"]["weight_dtype"]) for k in session.manifest.sections["kernels"]}
+    assert ("up", "none", "float16") in kinds and ("ffn_gated", "relu", "float16") in kinds
+    if predictor == "trained":
+        assert ops["picompile::tvm_predict"] == 2 and ("up", "relu", "float16") in kinds
+    with safe_open(str(out16 / "weights.safetensors"), "pt") as f:
+        dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
+    assert "F16" in dtypes
+    # TVM kernels (one token) and torch float16 (prefill) against the reference ops, decode by decode
+    ref = picompile.load(ref16)
+    new = session.generate(PROMPT, 12, stop_at_eos=False)
+    old = ref.generate(PROMPT, 12, stop_at_eos=False)
+    assert _rel(session.last_logits, ref.last_logits) < 2e-3
+    if predictor == "oracle":  # exact masks: against the float32 model, float16 rounding only
+        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+        with torch.no_grad():
+            dense = model(torch.tensor([PROMPT + new])).logits[0]
+        assert _rel(session.logits(PROMPT + new), dense) < 2e-2
+        assert new == old
+        with torch.no_grad():
+            steps = model(torch.tensor([PROMPT + new[:-1]])).logits[0, len(PROMPT) - 1:]
+        assert _rel(session.last_logits, steps) < 2e-2
+    # hybrid scheduling (thread) on float16 parts gives the same logits as the graph as built
+    threaded = picompile.load(out16, hybrid="thread")
+    assert threaded.generate(PROMPT, 12, stop_at_eos=False) == new
+    assert (threaded.last_logits - session.last_logits).abs().max().item() < 1e-4
+
+
+def test_float16_artifact_exports_onnx(checkpoints: dict, tmp_path: Path) -> None:
+    import onnx
+
+    from picompile.cli import main
+
+    out = picompile.build(checkpoints[("llama", "relu")], output=tmp_path / "h.pic", weight_dtype="float16",
+                          calibration_tokens=256, emit=lambda s: None)
+    assert main(["inspect", str(out), "--export-onnx", str(tmp_path / "g.onnx")]) == 0
+    model = onnx.load(str(tmp_path / "g.onnx"))
+    onnx.checker.check_model(model, full_check=True)
+    types = [n.op_type for n in model.graph.node if n.domain == "picompile"]
+    assert types.count("TvmLinear") == 9 and types.count("TvmPredict") == 2 and types.count("TvmSparseFFN") == 4
+    fp16 = {i.name for i in model.graph.initializer if i.data_type == onnx.TensorProto.FLOAT16}
+    assert len(fp16) >= 9 + 2 * 2 + 4 * 3 - 3  # linears, predictors, FFN rows (an empty hot part may be shared)
