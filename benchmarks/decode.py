@@ -40,9 +40,11 @@ PREDICTOR_OPTIONS: dict[str, float] = {"predictor_budget": 0.1, "recall_target":
 
 
 def artifact_for(checkpoint: Path, cache: Path, calibration_tokens: int, predictor: str, log: Any,
-                 rebuild: bool = False, weight_dtype: str = "float32") -> Path:
+                 rebuild: bool = False, weight_dtype: str = "float32", recall_target: float | None = None) -> Path:
     """The cached artifact of ``checkpoint`` (rebuilt when its source or build options differ)."""
-    suffix = "" if weight_dtype == "float32" else "-f16"
+    options = {**PREDICTOR_OPTIONS, **({"recall_target": recall_target} if recall_target is not None else {})}
+    suffix = ("" if weight_dtype == "float32" else "-f16") + (
+        "" if options == PREDICTOR_OPTIONS else f"-r{options['recall_target']:g}")
     out = cache / f"{checkpoint.name}-cpu-{predictor}-c{calibration_tokens}{suffix}.pic"
     if is_artifact(out) and not rebuild:
         m = read_manifest(out, verify=False)
@@ -50,13 +52,13 @@ def artifact_for(checkpoint: Path, cache: Path, calibration_tokens: int, predict
         if (same_weights and m.model.get("source") == str(checkpoint) and m.build.get("predictor") == predictor
                 and (m.sections.get("profile") or {}).get("n_tokens") == calibration_tokens
                 and m.weights.get("dtype", "float32") == weight_dtype
-                and all(m.build.get(k, v) == v for k, v in PREDICTOR_OPTIONS.items())):
+                and all(m.build.get(k, v) == v for k, v in options.items())):
             log(f"reusing {out}")
             return out
     log(f"building {out} (target cpu, predictor {predictor}, {calibration_tokens} calibration tokens, {weight_dtype})")
     t0 = time.perf_counter()
     picompile.build(checkpoint, target="cpu", output=out, predictor=predictor, calibration_tokens=calibration_tokens,
-                    weight_dtype=weight_dtype, **PREDICTOR_OPTIONS, emit=lambda s: None, on_pass=lambda name, i, n: log(f"  pass {i}/{n} {name}"))
+                    weight_dtype=weight_dtype, **options, emit=lambda s: None, on_pass=lambda name, i, n: log(f"  pass {i}/{n} {name}"))
     log(f"built in {time.perf_counter() - t0:.0f} s")
     return out
 
@@ -120,6 +122,9 @@ def main() -> int:
     ap.add_argument("--calibration-tokens", type=int, default=8192)
     ap.add_argument("--weight-dtype", choices=["float32", "float16"], default="float32",
                     help="the artifact's weights (float16: compare with --gguf-type f16)")
+    ap.add_argument("--recall-target", type=float,
+                    help=f"predictor recall target (default {PREDICTOR_OPTIONS['recall_target']}; the build's default for "
+                         "ReLU models is 0.95)")
     ap.add_argument("--gguf", help="llama.cpp peer: 'auto' converts the checkpoint (needs picompile[bench]), or a file")
     ap.add_argument("--gguf-type", choices=["f32", "f16"], help="default: the artifact's weight dtype")
     ap.add_argument("--predictor", default="trained",
@@ -145,11 +150,10 @@ def main() -> int:
         checkpoint = make_synthetic(shape, emit=log)
         for predictor in predictors:
             art = artifact_for(checkpoint, cache, args.calibration_tokens, predictor, log, args.rebuild,
-                               args.weight_dtype)
+                               args.weight_dtype, args.recall_target)
             log(f"{shape} ({predictor}): benchmarking (load average {os.getloadavg()[0]:.1f})")
             result = run_bench(art, args.tokens, args.prompt_len, args.repeats, args.threads,
-                               extras=not args.no_extras, gguf=args.gguf, emit=log,
-                               gguf_type=args.gguf_type or ("f16" if args.weight_dtype == "float16" else "f32"))
+                               extras=not args.no_extras, gguf=args.gguf, gguf_type=args.gguf_type, emit=log)
             result["bound_share"] = result["decode_tokens_per_s"] / result["bound_tokens_per_s"]
             ort = result["engines"].get("onnxruntime")
             result["ort_decode_tokens_per_s"] = ort["decode_tokens_per_s"] if ort else None

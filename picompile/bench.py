@@ -400,7 +400,7 @@ def run_bench(
     dense_artifact: bool = True,
     extras: bool = True,
     gguf: Path | str | None = None,
-    gguf_type: str = "f32",
+    gguf_type: str | None = None,
     copy_mib: int = 256,
     seed: int = 0,
     mask_tokens: int = 8,
@@ -415,7 +415,7 @@ def run_bench(
         raise PicompileError(f"--tokens, --prompt-len and --repeats must be >= 1, got {tokens}, {prompt_len}, {repeats}")
     if copy_mib < 1:
         raise PicompileError(f"--copy-mib must be >= 1, got {copy_mib}")
-    if gguf_type not in GGUF_TYPES:
+    if gguf_type is not None and gguf_type not in GGUF_TYPES:
         raise PicompileError(f"--gguf-type must be one of {', '.join(GGUF_TYPES)}, got {gguf_type!r}")
     threads = threads or _default_threads()
     if threads < 1:
@@ -425,6 +425,7 @@ def run_bench(
     emit(f"loading {artifact}")
     session = picompile.load(artifact, hybrid="off")  # its byte and mask accounting reads the unscheduled parts
     manifest = session.manifest
+    gguf_type = gguf_type or ("f16" if manifest.weights.get("dtype") == "float16" else "f32")  # as the artifact
     if manifest.sections.get("kernels"):
         from picompile.kernels import set_num_threads
 
@@ -640,8 +641,9 @@ def add_subcommand(sub: Any) -> None:
     p.add_argument("--gguf", metavar="FILE|auto",
                    help="GGUF of the same weights for the llama.cpp column; 'auto' converts the artifact's source "
                         "checkpoint (cached under <cache>/gguf; needs picompile[bench])")
-    p.add_argument("--gguf-type", choices=GGUF_TYPES, default="f32",
-                   help="weight type of --gguf auto's conversion and llama.cpp's KV cache (default f32, as the artifact)")
+    p.add_argument("--gguf-type", choices=GGUF_TYPES,
+                   help="weight type of --gguf auto's conversion and llama.cpp's KV cache (default: the artifact's, "
+                        "f16 for --weight-dtype float16 builds, else f32)")
     p.add_argument("--copy-mib", type=int, default=256, metavar="MIB", help="bandwidth copy buffer (default 256)")
     p.add_argument("--mask-tokens", type=int, default=8, metavar="N",
                    help="decode steps whose masks are counted for bytes/token (0: use the manifest)")

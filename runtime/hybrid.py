@@ -44,7 +44,7 @@ from torch import Tensor, fx
 import picompile.ops  # noqa: F401  (registers picompile:: ops)
 from picompile.errors import InputError
 from picompile.graph import get_tensor
-from picompile.ops import KERNEL_TABLE, is_picompile_op
+from picompile.ops import KERNEL_TABLE, DirectCall, is_picompile_op
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,8 @@ class PartOp:
 def part_op(gm: fx.GraphModule, node: fx.Node) -> PartOp:
     """The PartOp of a sparse_ffn / tvm_sparse_ffn node (its weights stay in the graph)."""
     w_up = get_tensor(gm, node.args[1])  # type: ignore[arg-type]  # [k, d_model]
-    return PartOp(node.target, tuple(node.args[PART_MASK_ARG + 1:]), int(w_up.shape[0]))  # type: ignore[arg-type]
+    op = DirectCall(node.target) if isinstance(node.target, torch._ops.OpOverload) else node.target
+    return PartOp(op, tuple(node.args[PART_MASK_ARG + 1:]), int(w_up.shape[0]))  # type: ignore[arg-type]
 
 
 # -- pending results ----------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from torch import fx
 from picompile.artifact import Manifest, read_manifest
 from picompile.errors import ArtifactError
 from picompile.graph import flatten_codegen, placeholders
+from picompile.ops import call_directly  # importing picompile.ops registers the ops the graph calls
 
 
 def bind_weights(gm: fx.GraphModule, n_inputs: int, keys: list[str], tensors: dict[str, torch.Tensor]) -> fx.GraphModule:
@@ -65,15 +66,16 @@ def drop_masks(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def load_graph(root: Path, manifest: Manifest, dense: bool = False, hybrid: str = "off") -> fx.GraphModule:
+def load_graph(root: Path, manifest: Manifest, dense: bool = False, hybrid: str = "off",
+               direct: bool = False) -> fx.GraphModule:
     """The executable decoder-step graph: forward(input_ids, *past) -> (logits, *presents).
 
     ``dense``: drop the predictor masks, so every neuron is computed (see :func:`drop_masks`).
     ``hybrid``: how each FFN layer's hot and cold partitions run ("off": the graph as built; "auto",
     "inline", "thread", "cuda": see :func:`picompile.runtime.hybrid.schedule_hybrid`).
+    ``direct``: picompile ops called past torch's dispatcher (:func:`picompile.ops.call_directly`; for
+    running, not for exporting or printing the graph).
     """
-    import picompile.ops  # noqa: F401  (registers picompile:: ops the graph calls)
-
     g = manifest.graph
     try:
         ep = torch.export.load(root / g["file"])
@@ -102,7 +104,7 @@ def load_graph(root: Path, manifest: Manifest, dense: bool = False, hybrid: str 
         from picompile.targets import Target
 
         gm = schedule_hybrid(gm, hybrid, target_has_gpu=Target.from_json(manifest.target).has_gpu)
-    return gm
+    return call_directly(gm) if direct else gm
 
 
 def load_kernels(root: Path, entries: list[dict[str, Any]]) -> None:
@@ -132,4 +134,4 @@ def load_artifact(root: str | Path, verify: bool = True, dense: bool = False,
                   hybrid: str = "off") -> tuple[Path, Manifest, fx.GraphModule]:
     root = Path(root)
     manifest = read_manifest(root, verify=verify)
-    return root, manifest, load_graph(root, manifest, dense=dense, hybrid=hybrid)
+    return root, manifest, load_graph(root, manifest, dense=dense, hybrid=hybrid, direct=True)

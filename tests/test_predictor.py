@@ -97,3 +97,14 @@ def test_choose_ranks_tiny_budget() -> None:
     with pytest.raises(BudgetError):
         choose_ranks(stats, 64, 256, budget_params=100)
     assert choose_ranks([], 64, 256) == []
+
+
+def test_choose_ranks_kernel_granularity() -> None:
+    """1B-class layers get ranks in multiples of 64 (the GEMV kernel's lanes), under the same budget."""
+    stats = [_Stats(0.9, 0.26)] * 22
+    d, n = 2048, 5632
+    ranks = choose_ranks(stats, d, n, budget_fraction=0.1, ffn_matrices=3)
+    assert all(r % 64 == 0 and r >= 64 for r in ranks)
+    budget = int(0.1 * 22 * 3 * d * n)
+    assert budget - 64 * (d + n) < sum(r * (d + n) for r in ranks) <= budget  # used to within one step
+    assert all(r % 8 == 0 for r in choose_ranks(stats, d, n, budget_fraction=0.1, granularity=8))
