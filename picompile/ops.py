@@ -240,6 +240,8 @@ def tvm_sparse_ffn(
     """sparse_ffn lowered to a TVM kernel: one token runs the kernel over the active rows; several
     tokens (prefill) take the dense masked path, which is faster than gathering per token."""
     d = x.shape[-1]
+    if w_up.shape[0] == 0:  # an empty part (all neurons on the other device): nothing to launch
+        return torch.zeros_like(x)
     if x.numel() != d or not kernel:
         return sparse_ffn(x, w_up, b_up, w_gate, w_down_t, mask, act, layer, part, device)
     kern = KERNEL_TABLE.get(kernel)

@@ -11,7 +11,7 @@ from torch import fx
 
 from picompile.artifact import Manifest, read_manifest
 from picompile.errors import ArtifactError
-from picompile.graph import flatten_codegen, placeholders
+from picompile.graph import drop_metadata_asserts, flatten_codegen, placeholders
 from picompile.ops import call_directly  # importing picompile.ops registers the ops the graph calls
 
 
@@ -73,8 +73,8 @@ def load_graph(root: Path, manifest: Manifest, dense: bool = False, hybrid: str 
     ``dense``: drop the predictor masks, so every neuron is computed (see :func:`drop_masks`).
     ``hybrid``: how each FFN layer's hot and cold partitions run ("off": the graph as built; "auto",
     "inline", "thread", "cuda": see :func:`picompile.runtime.hybrid.schedule_hybrid`).
-    ``direct``: picompile ops called past torch's dispatcher (:func:`picompile.ops.call_directly`; for
-    running, not for exporting or printing the graph).
+    ``direct``: picompile ops called past torch's dispatcher (:func:`picompile.ops.call_directly`) and
+    torch.export's metadata asserts dropped — for running, not for exporting or printing the graph.
     """
     g = manifest.graph
     try:
@@ -104,7 +104,7 @@ def load_graph(root: Path, manifest: Manifest, dense: bool = False, hybrid: str 
         from picompile.targets import Target
 
         gm = schedule_hybrid(gm, hybrid, target_has_gpu=Target.from_json(manifest.target).has_gpu)
-    return call_directly(gm) if direct else gm
+    return call_directly(drop_metadata_asserts(gm)) if direct else gm
 
 
 def load_kernels(root: Path, entries: list[dict[str, Any]]) -> None:

@@ -64,3 +64,28 @@ def test_sampling_is_seeded(artifacts: dict) -> None:
     a = s.generate(PROMPT, 8, temperature=1.0, top_k=20, seed=3, stop_at_eos=False)
     b = s.generate(PROMPT, 8, temperature=1.0, top_k=20, seed=3, stop_at_eos=False)
     assert a == b and len(a) == 8
+
+
+def test_session_calls_ops_directly(checkpoints: dict, tmp_path: Path) -> None:
+    """A loaded session calls picompile ops past torch's dispatcher, with the same results and op names."""
+    from picompile.artifact import read_manifest
+    from picompile.graph import count_ops
+    from picompile.ops import DirectCall, is_picompile_op
+    from picompile.runtime.loader import load_graph
+
+    art = picompile.build(checkpoints[("llama", "relu")], output=tmp_path / "s.pic", calibration_tokens=256,
+                          emit=lambda s: None)
+    session = picompile.load(art, hybrid="off")
+    dispatched = load_graph(art, read_manifest(art))
+    ours = [n.target for n in session.graph.graph.nodes if n.op == "call_function" and is_picompile_op(n.target)]
+    assert ours and all(isinstance(t, DirectCall) for t in ours)
+    assert not any(isinstance(n.target, DirectCall) for n in dispatched.graph.nodes)
+    ran, built = count_ops(session.graph), count_ops(dispatched)
+    assert built.pop("aten::_assert_tensor_metadata") > 0 and "aten::_assert_tensor_metadata" not in ran
+    assert ran == built
+    ids = torch.tensor([[5, 17, 33, 4, 99]])
+    with torch.inference_mode():
+        a, b = session.graph(ids, *session.empty_past()), dispatched(ids, *session.empty_past())
+        assert torch.equal(a[0], b[0])
+        step = torch.tensor([[7]])
+        assert torch.equal(session.graph(step, *a[1:])[0], dispatched(step, *b[1:])[0])
