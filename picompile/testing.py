@@ -80,3 +80,13 @@ def run_passes(ctx: "BuildContext", names: list[str], gm: "torch.fx.GraphModule 
         gm = PASSES[name].fn(gm, ctx)
         lint(gm, name)
     return gm
+
+
+def decode_logits(gm: "torch.fx.GraphModule", ctx: "BuildContext", ids: list[int]) -> torch.Tensor:
+    """Prefill ``ids[:-1]``, then one decode step (the batched and the one-token paths of every op):
+    the logits of both, ``[len(ids), vocab]`` — what a pass test compares before and after the pass."""
+    past = ctx.info.kv_tensors()
+    with torch.no_grad():
+        out = gm(torch.tensor([ids[:-1]]), *past)
+        step = gm(torch.tensor([ids[-1:]]), *out[1:])
+    return torch.cat([out[0][0], step[0][0]])

@@ -11,20 +11,11 @@ from transformers import AutoModelForCausalLM
 import picompile
 from picompile.graph import count_ops, get_tensor
 from picompile.ops import is_picompile_op
-from picompile.testing import context_for, run_passes
+from picompile.testing import context_for, decode_logits, run_passes
 
 PREFIX = ["capture", "canonicalize-ffn", "fold-kv-repeat", "profile-activations", "train-predictors", "place-neurons",
           "insert-predictors", "split-ffn"]
 PROMPT = [5, 17, 33, 4, 99, 120, 7]
-
-
-def _decode(gm: torch.fx.GraphModule, ctx, ids: list[int]) -> torch.Tensor:
-    """Prefill ids[:-1], then one decode step (the batched and the one-token paths). [len(ids), vocab]"""
-    past = ctx.info.kv_tensors()
-    with torch.no_grad():
-        out = gm(torch.tensor([ids[:-1]]), *past)
-        step = gm(torch.tensor([ids[-1:]]), *out[1:])
-    return torch.cat([out[0][0], step[0][0]])
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -37,7 +28,7 @@ def test_convert_float16(key: tuple[str, str], checkpoints: dict, tmp_path: Path
                       placement_batch=8, weight_dtype="float16")
     gm = run_passes(ctx, PREFIX)
     ids = [7, 3, 99, 42, 5, 61]
-    before = _decode(gm, ctx, ids)
+    before = decode_logits(gm, ctx, ids)
     n_linear = count_ops(gm)["aten::linear"]
     gm = run_passes(ctx, ["convert-weights"], gm)
     ops = count_ops(gm)
@@ -65,7 +56,7 @@ def test_convert_float16(key: tuple[str, str], checkpoints: dict, tmp_path: Path
             assert {u.target for u in node.users} == {torch.ops.aten.embedding.default}, node.name
     info = ctx.manifest_extra["convert_weights"]
     assert info["bytes_after"] * 2 == info["bytes_before"] and info["converted"] > 0
-    after = _decode(gm, ctx, ids)
+    after = decode_logits(gm, ctx, ids)
     assert 0 < _rel(after, before) < 1e-2  # float16 rounding: changed, but little
 
 

@@ -7,18 +7,9 @@ import pytest
 import torch
 
 from picompile.graph import count_ops, get_tensor
-from picompile.testing import context_for, run_passes
+from picompile.testing import context_for, decode_logits, run_passes
 
 PREFIX = ["capture", "canonicalize-ffn", "profile-activations", "train-predictors", "place-neurons", "insert-predictors"]
-
-
-def _decode(gm: torch.fx.GraphModule, ctx, ids: list[int]) -> torch.Tensor:
-    """Prefill ids[:-1], then one decode step: exercises both the batched and the one-token path."""
-    past = ctx.info.kv_tensors()
-    with torch.no_grad():
-        out = gm(torch.tensor([ids[:-1]]), *past)
-        step = gm(torch.tensor([ids[-1:]]), *out[1:])
-    return torch.cat([out[0][0], step[0][0]])
 
 
 @pytest.mark.parametrize("key,mode,target,budget", [
@@ -31,7 +22,7 @@ def test_split(key: tuple[str, str], mode: str, target: str, budget: float | Non
                       vram_budget_gib=budget, placement_batch=8)
     gm = run_passes(ctx, PREFIX)
     ids = [7, 3, 99, 42, 5, 61]
-    before = _decode(gm, ctx, ids)
+    before = decode_logits(gm, ctx, ids)
     gm = run_passes(ctx, ["split-ffn"], gm)
     ops = count_ops(gm)
     L = ctx.info.n_layers
@@ -48,5 +39,5 @@ def test_split(key: tuple[str, str], mode: str, target: str, budget: float | Non
         assert (hot.args[5] is None) == (mode == "none")
     if key == ("llama", "relu"):
         assert 0 < ctx.ffn_layers[0].stats["n_hot"] < 192
-    after = _decode(gm, ctx, ids)
+    after = decode_logits(gm, ctx, ids)
     assert (after - before).abs().max().item() < 1e-4
