@@ -33,16 +33,15 @@ class _Converter:
         self.count = 0
         self.bytes_before = self.bytes_after = 0
 
-    def __call__(self, arg: object, user: fx.Node) -> object:
+    def __call__(self, arg: object) -> object:
         if not isinstance(arg, fx.Node) or arg.op != "get_attr":
             return arg
         if arg not in self.done:
             t = get_tensor(self.gm, arg)
             if not t.is_floating_point() or t.dtype == self.dtype:
                 return arg
-            first = next(n for n in self.gm.graph.nodes if n in arg.users)  # before every user of the original
             name = f"{str(arg.target).replace('.', '_')}_{str(self.dtype).removeprefix('torch.')}"
-            self.done[arg] = add_buffer(self.gm, name, t.to(self.dtype), first)
+            self.done[arg] = add_buffer(self.gm, name, t.to(self.dtype), arg)  # beside the original: before its users
             self.count += 1
             self.bytes_before += t.numel() * t.element_size()
             self.bytes_after += t.numel() * self.dtype.itemsize
@@ -58,7 +57,7 @@ def convert_weights(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
         ctx.manifest_extra["convert_weights"] = {"dtype": "float32", "converted": 0}
         return gm
     conv = _Converter(gm, dtype)
-    linears = kept = 0
+    linears = 0
     why_kept: list[str] = []
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
@@ -67,11 +66,10 @@ def convert_weights(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
             x, w, *rest = node.args
             b = rest[0] if rest else node.kwargs.get("bias")
             if not (isinstance(w, fx.Node) and w.op == "get_attr"):
-                kept += 1
                 why_kept.append(f"{node.name}: its weight is computed ({getattr(w, 'target', w)}), not a stored tensor")
                 continue
             with gm.graph.inserting_before(node):
-                new = gm.graph.call_function(torch.ops.picompile.linear.default, (x, conv(w, node), b))
+                new = gm.graph.call_function(torch.ops.picompile.linear.default, (x, conv(w), b))
             new.meta.update(node.meta)
             node.replace_all_uses_with(new)
             gm.graph.erase_node(node)
@@ -82,7 +80,7 @@ def convert_weights(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
                 args = list(node.args)
                 for pos in positions:
                     if pos < len(args):
-                        args[pos] = conv(args[pos], node)
+                        args[pos] = conv(args[pos])
                 node.args = tuple(args)
                 break
     for node in list(gm.graph.nodes):  # the float32 originals no longer read (an embedding keeps its own)

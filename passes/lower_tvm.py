@@ -41,6 +41,15 @@ def _build(ctx: BuildContext, spec: Any, entries: dict[str, dict[str, Any]], use
     return key
 
 
+def _replace(gm: fx.GraphModule, node: fx.Node, op: Any, args: tuple[Any, ...]) -> None:
+    """``node`` becomes a call of ``op`` on ``args`` (same place, same metadata, same users)."""
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_function(op, args)
+    new.meta.update(node.meta)
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+
+
 def _gemv_spec(w: torch.Tensor, act: str) -> Any:
     """Kind ``up`` over every row of ``w`` [d_out, d_in]: a dense GEMV (no bias; the op adds it)."""
     from picompile.kernels import KernelSpec
@@ -64,11 +73,7 @@ def _lower_gemvs(gm: fx.GraphModule, ctx: BuildContext, entries: dict[str, dict[
             k1 = _build(ctx, _gemv_spec(get_tensor(gm, fc1), "relu"), entries, f"layer{layer}.predictor.fc1")
             k2 = _build(ctx, _gemv_spec(get_tensor(gm, fc2), "none"), entries, f"layer{layer}.predictor.fc2")
             op, args = torch.ops.picompile.tvm_predict.default, (x, fc1, fc2, threshold, layer, k1, k2)
-        with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(op, args)
-        new.meta.update(node.meta)
-        node.replace_all_uses_with(new)
-        gm.graph.erase_node(node)
+        _replace(gm, node, op, args)
 
 
 @register_pass("lower-tvm")
@@ -95,11 +100,7 @@ def lower_tvm(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
             cpu_key = _build(ctx, KernelSpec(**common, target="llvm"), entries, f"layer{layer}.{part}")
             if device == "gpu" and ctx.target.has_gpu:
                 gpu_key = _build(ctx, KernelSpec(**common, target=f"cuda:{ctx.target.cuda_arch}"), entries, f"layer{layer}.{part}")
-        with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(torch.ops.picompile.tvm_sparse_ffn.default, (*node.args, cpu_key, gpu_key))
-        new.meta.update(node.meta)
-        node.replace_all_uses_with(new)
-        gm.graph.erase_node(node)
+        _replace(gm, node, torch.ops.picompile.tvm_sparse_ffn.default, (*node.args, cpu_key, gpu_key))
     gm.recompile()
     ctx.manifest_extra["kernels"] = list(entries.values())
     if skipped:

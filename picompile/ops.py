@@ -135,18 +135,12 @@ def sparse_ffn(
         idx = mask.reshape(-1).nonzero().squeeze(1)  # [n_active]
         xr = x.reshape(1, d)
         h = _hidden(xr, w_up[idx], None if b_up is None else b_up[idx], None if w_gate is None else w_gate[idx], act)
-        return _down(h, w_down_t[idx]).reshape(x.shape)  # [..., d_model]
+        return lin(h, w_down_t[idx].t()).reshape(x.shape)  # [..., d_model]
     h = _hidden(x, w_up, b_up, w_gate, act)  # [..., k]
     if mask is not None:
         h = h * mask
-    return _down(h, w_down_t)
+    return lin(h, w_down_t.t())  # h @ w_down_t
 
-
-def _down(h: Tensor, w_down_t: Tensor) -> Tensor:
-    """``h @ w_down_t`` ([..., k] @ [k, d_model]), in the weights' dtype when they are narrower."""
-    if w_down_t.dtype == h.dtype:
-        return h @ w_down_t
-    return (h.to(w_down_t.dtype) @ w_down_t).to(h.dtype)
 
 
 @sparse_ffn.register_fake
