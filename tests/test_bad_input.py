@@ -135,3 +135,10 @@ def test_prompt_too_long(artifacts: dict, capsys: pytest.CaptureFixture[str]) ->
     run_fails(capsys, ["run", str(art), "--ids", ",".join(["5"] * 120), "-n", "20"], "at most 8 new tokens fit")
     run_fails(capsys, ["run", str(art), "--ids", "5,999"], "token id 999 is outside the vocabulary")
     run_fails(capsys, ["run", str(art), "--prompt", "hi"], "has no tokenizer")
+
+
+def test_bad_weight_dtype_writes_nothing(checkpoints: dict, tmp_path: Path) -> None:
+    out = tmp_path / "w.pic"
+    with pytest.raises(picompile.errors.PicompileError, match="--weight-dtype must be float32 or float16"):
+        picompile.build(checkpoints[("llama", "relu")], output=out, weight_dtype="bfloat16", emit=lambda s: None)
+    assert not out.exists() and leftovers(tmp_path) == []
