@@ -40,11 +40,13 @@ PREDICTOR_OPTIONS: dict[str, float] = {"predictor_budget": 0.1, "recall_target":
 
 
 def artifact_for(checkpoint: Path, cache: Path, calibration_tokens: int, predictor: str, log: Any,
-                 rebuild: bool = False, weight_dtype: str = "float32", recall_target: float | None = None) -> Path:
+                 rebuild: bool = False, weight_dtype: str = "float32", recall_target: float | None = None,
+                 predictor_kind: str = "linear") -> Path:
     """The cached artifact of ``checkpoint`` (rebuilt when its source or build options differ)."""
     options = {**PREDICTOR_OPTIONS, **({"recall_target": recall_target} if recall_target is not None else {})}
     suffix = ("" if weight_dtype == "float32" else "-f16") + (
-        "" if options == PREDICTOR_OPTIONS else f"-r{options['recall_target']:g}")
+        "" if options == PREDICTOR_OPTIONS else f"-r{options['recall_target']:g}") + (
+        "" if predictor_kind == "linear" or predictor != "trained" else f"-{predictor_kind}")
     out = cache / f"{checkpoint.name}-cpu-{predictor}-c{calibration_tokens}{suffix}.pic"
     if is_artifact(out) and not rebuild:
         m = read_manifest(out, verify=False)
@@ -52,13 +54,14 @@ def artifact_for(checkpoint: Path, cache: Path, calibration_tokens: int, predict
         if (same_weights and m.model.get("source") == str(checkpoint) and m.build.get("predictor") == predictor
                 and (m.sections.get("profile") or {}).get("n_tokens") == calibration_tokens
                 and m.weights.get("dtype", "float32") == weight_dtype
+                and m.build.get("predictor_kind", "mlp") == predictor_kind  # artifacts before the option: mlp
                 and all(m.build.get(k, v) == v for k, v in options.items())):
             log(f"reusing {out}")
             return out
     log(f"building {out} (target cpu, predictor {predictor}, {calibration_tokens} calibration tokens, {weight_dtype})")
     t0 = time.perf_counter()
     picompile.build(checkpoint, target="cpu", output=out, predictor=predictor, calibration_tokens=calibration_tokens,
-                    weight_dtype=weight_dtype, **options, emit=lambda s: None, on_pass=lambda name, i, n: log(f"  pass {i}/{n} {name}"))
+                    weight_dtype=weight_dtype, predictor_kind=predictor_kind, **options, emit=lambda s: None, on_pass=lambda name, i, n: log(f"  pass {i}/{n} {name}"))
     log(f"built in {time.perf_counter() - t0:.0f} s")
     return out
 
@@ -130,6 +133,8 @@ def main() -> int:
     ap.add_argument("--predictor", default="trained",
                     help="trained | oracle | none, or several comma-separated (e.g. trained,oracle: the oracle "
                          "column shows what exact masks would give)")
+    ap.add_argument("--predictor-kind", default="linear", choices=["linear", "mlp"],
+                    help="trained predictors: linear (default, closed-form fit) or mlp (PowerInfer's, BCE)")
     ap.add_argument("--rebuild", action="store_true", help="rebuild the artifacts even if cached")
     ap.add_argument("--no-extras", action="store_true", help="skip ONNX Runtime and llama.cpp")
     ap.add_argument("--cache-dir", type=Path, help="artifact cache (default: <picompile cache>/bench)")
@@ -150,7 +155,7 @@ def main() -> int:
         checkpoint = make_synthetic(shape, emit=log)
         for predictor in predictors:
             art = artifact_for(checkpoint, cache, args.calibration_tokens, predictor, log, args.rebuild,
-                               args.weight_dtype, args.recall_target)
+                               args.weight_dtype, args.recall_target, args.predictor_kind)
             log(f"{shape} ({predictor}): benchmarking (load average {os.getloadavg()[0]:.1f})")
             result = run_bench(art, args.tokens, args.prompt_len, args.repeats, args.threads,
                                extras=not args.no_extras, gguf=args.gguf, gguf_type=args.gguf_type, emit=log)

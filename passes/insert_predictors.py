@@ -1,4 +1,4 @@
-"""insert-predictors: ffn(x, …) → ffn(x, …, mask=predict(x, fc1, fc2, threshold))   (trained)
+"""insert-predictors: ffn(x, …) → ffn(x, …, mask=predict(x, fc1, fc2, threshold, act, offset))   (trained)
                    or ffn(x, …, mask=oracle_mask(x, w_decider, …[, w_up]))          (--predictor oracle);
 --predictor none leaves the graph dense.
 """
@@ -38,9 +38,11 @@ def insert_predictors(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
                 raise PassError(f"no trained predictor for layer {layer.index} (run train-predictors first)")
             fc1 = add_buffer(gm, f"predictor{layer.index}_fc1", pred.fc1.weight, node)  # [rank, d_model]
             fc2 = add_buffer(gm, f"predictor{layer.index}_fc2", pred.fc2.weight, node)  # [n_neurons, rank]
+            offset = None if pred.offset is None else add_buffer(gm, f"predictor{layer.index}_offset", pred.offset,
+                                                                  node)  # [n_neurons]
             with gm.graph.inserting_before(node):
                 mask = gm.graph.call_function(torch.ops.picompile.predict.default,
-                                              (x, fc1, fc2, float(pred.threshold), layer.index))
+                                              (x, fc1, fc2, float(pred.threshold), layer.index, pred.act, offset))
         else:
             cal = ctx.calibration.get(layer.index)
             threshold = 0.0 if cal is None else float(cal.threshold)

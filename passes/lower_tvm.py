@@ -69,10 +69,10 @@ def _lower_gemvs(gm: fx.GraphModule, ctx: BuildContext, entries: dict[str, dict[
             key = _build(ctx, _gemv_spec(get_tensor(gm, w), "none"), entries, node.name)
             op, args = torch.ops.picompile.tvm_linear.default, (x, w, b, key)
         else:
-            x, fc1, fc2, threshold, layer = node.args
-            k1 = _build(ctx, _gemv_spec(get_tensor(gm, fc1), "relu"), entries, f"layer{layer}.predictor.fc1")
+            x, fc1, fc2, threshold, layer, act, offset = (*node.args, "relu", None)[:7]  # older graphs: 5 args
+            k1 = _build(ctx, _gemv_spec(get_tensor(gm, fc1), str(act)), entries, f"layer{layer}.predictor.fc1")
             k2 = _build(ctx, _gemv_spec(get_tensor(gm, fc2), "none"), entries, f"layer{layer}.predictor.fc2")
-            op, args = torch.ops.picompile.tvm_predict.default, (x, fc1, fc2, threshold, layer, k1, k2)
+            op, args = torch.ops.picompile.tvm_predict.default, (x, fc1, fc2, threshold, layer, k1, k2, act, offset)
         _replace(gm, node, op, args)
 
 

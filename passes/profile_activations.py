@@ -16,7 +16,7 @@ from torch import fx
 from picompile.calibration import load_calibration
 from picompile.context import BuildContext
 from picompile.graph import get_tensor
-from picompile.ops import activation_score, is_picompile_op
+from picompile.ops import activation_score, is_picompile_op, lin
 from picompile.passes.registry import register_pass
 from picompile.profile_stats import LayerProfile
 
@@ -62,6 +62,14 @@ class Decider:
 
     def score(self, x: torch.Tensor) -> torch.Tensor:  # [N, d_model] -> [N, n_neurons]
         return activation_score(x, self.w, self.b, self.act, self.w_mul)
+
+    @torch.no_grad()
+    def margin(self, x: torch.Tensor, threshold: float) -> torch.Tensor:  # [N, d_model] -> [N, n_neurons]
+        """How far each neuron is above firing (> 0: fires): ReLU's pre-activation ``w x + b``, else
+        ``score - threshold``."""
+        if self.act == "relu" and self.w_mul is None:
+            return lin(x, self.w, self.b).float() - threshold
+        return self.score(x).float() - threshold
 
 
 def decider_nodes(node: fx.Node, criterion: str = "gate") -> tuple[fx.Node, fx.Node | None, fx.Node | None]:

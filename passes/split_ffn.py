@@ -19,7 +19,7 @@ from picompile.passes.registry import register_pass
 
 aten = torch.ops.aten
 # mask-producing op -> positions of its per-neuron row tensors (permuted with the neurons)
-MASK_ROWS: dict[str, tuple[int, ...]] = {"predict": (2,), "oracle_mask": (1, 2, 6)}
+MASK_ROWS: dict[str, tuple[int, ...]] = {"predict": (2, 6), "oracle_mask": (1, 2, 6)}  # fc2, offset / w, b, w_mul
 
 
 def _permute_mask_producer(gm: fx.GraphModule, mask: fx.Node, perm: torch.Tensor, layer: int) -> None:

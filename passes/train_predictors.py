@@ -1,15 +1,16 @@
-"""train-predictors: graph unchanged; trains one low-rank predictor per FFN layer
-(fc1 [d_model→r] → ReLU → fc2 [r→n_neurons]) on the profiled (input, active-mask) pairs, with its
-threshold tuned on held-out tokens to the recall target. Skipped for --predictor oracle / none.
-"""
+"""train-predictors: graph unchanged; one low-rank predictor per FFN layer from the profiled (input, margin, mask):
+``linear`` (default) fc2·fc1·x + offset by reduced-rank regression, rank chosen for the fewest bytes per token, or
+``mlp`` fc2(ReLU(fc1 x)) trained with BCE (PowerInfer); threshold tuned to the recall target. Skipped for oracle/none."""
 from __future__ import annotations
 
 from torch import fx
 
 from picompile.context import BuildContext
 from picompile.errors import PassError
+from picompile.linear_predictor import candidate_ranks, fit_linear_predictor
+from picompile.passes.profile_activations import decider_of, ffn_nodes
 from picompile.passes.registry import register_pass
-from picompile.predictor import choose_ranks, train_predictor
+from picompile.predictor import KERNEL_GRANULARITY, choose_ranks, train_predictor
 
 
 @register_pass("train-predictors")
@@ -22,18 +23,31 @@ def train_predictors(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
         raise PassError("train-predictors needs profile-activations to run first")
     layers = ctx.ffn_layers
     first = layers[0]
-    ranks = choose_ranks(
-        [ctx.calibration[layer.index].profile for layer in layers], first.d_model, first.n_neurons,
-        ffn_matrices=3 if first.kind == "gated" else 2, budget_fraction=cfg.predictor_budget,
-    )
+    matrices = 3 if first.kind == "gated" else 2
+    d, n = first.d_model, first.n_neurons
+    ranks = choose_ranks([ctx.calibration[layer.index].profile for layer in layers], d, n,
+                         ffn_matrices=matrices, budget_fraction=cfg.predictor_budget)
+    granularity = KERNEL_GRANULARITY if min(d, n) >= 1024 else 8
+    # linear: every layer may use up to an equal share of the budget; the rank is the cheapest per token
+    max_rank = max(1, min(d, n, int(cfg.predictor_budget * matrices * d * n) // (d + n)))
     recall_target = cfg.recall_for(all(layer.act == "relu" for layer in layers))
-    for layer, rank in ctx.track(list(zip(layers, ranks)), "training predictors"):
+    nodes = ffn_nodes(gm)
+    for layer, rank in ctx.track(list(zip(layers, ranks)), "fitting predictors"):
         cal = ctx.calibration[layer.index]
-        predictor, report = train_predictor(cal.x, cal.mask, rank, epochs=cfg.predictor_epochs, seed=cfg.seed + layer.index,
-                                            recall_target=recall_target)
+        seed = cfg.seed + layer.index
+        if cfg.predictor_kind == "linear":
+            margin = decider_of(gm, nodes[layer.index], cfg.act_criterion).margin(cal.x, cal.threshold)  # [N, n]
+            predictor, report = fit_linear_predictor(
+                cal.x, margin, cal.mask, candidate_ranks(max_rank, granularity), row_cost=matrices * layer.d_model,
+                recall_target=recall_target, seed=seed)
+            del margin
+        else:
+            predictor, report = train_predictor(cal.x, cal.mask, rank, epochs=cfg.predictor_epochs, seed=seed,
+                                                recall_target=recall_target)
         ctx.predictors[layer.index] = predictor
         layer.stats.update({
-            "predictor_rank": rank, "recall_target": recall_target, "recall": report.recall, "precision": report.precision,
+            "predictor_kind": cfg.predictor_kind, "predictor_rank": report.rank, "recall_target": recall_target,
+            "recall": report.recall, "precision": report.precision,
             "predicted_active": report.predicted_active_fraction, "true_active": report.true_active_fraction,
         })
     return gm

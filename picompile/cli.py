@@ -37,6 +37,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         print_after=_split_names(args.print_after), dump_ir=Path(args.dump_ir) if args.dump_ir else None,
         progress=not args.quiet, calibration_tokens=args.calibration_tokens, act_sparsity=args.act_sparsity,
         act_criterion=args.act_criterion, sparsity_allocation=args.sparsity_allocation, allocation_tokens=args.allocation_tokens, recall_target=args.recall_target, predictor_budget=args.predictor_budget,
+        predictor_kind=args.predictor_kind,
         placement_batch=args.placement_batch, min_layer_neurons=args.min_layer_neurons, weight_dtype=args.weight_dtype,
     )
     err = _console()
@@ -153,6 +154,9 @@ def parser() -> argparse.ArgumentParser:
                    help="predictor recall target (default 0.95 when every FFN is ReLU, else 0.99)")
     b.add_argument("--predictor-budget", type=float, default=0.2, metavar="F",
                    help="predictor parameters as a fraction of FFN parameters (default 0.2)")
+    b.add_argument("--predictor-kind", default="linear", choices=["linear", "mlp"],
+                   help="linear: low-rank map fitted in closed form, rank chosen for the fewest bytes per token "
+                        "(default); mlp: PowerInfer's fc2(relu(fc1 x)) trained with BCE")
     b.add_argument("--placement-batch", type=int, default=64, metavar="N", help="neurons per placement decision")
     b.add_argument("--min-layer-neurons", type=int, default=0, metavar="N",
                    help="a layer on the GPU holds at least N hot neurons (default 0 = off)")

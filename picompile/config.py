@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Literal
 
 PredictorMode = Literal["trained", "oracle", "none"]
+PredictorKind = Literal["linear", "mlp"]
 SparsityAllocation = Literal["greedy", "uniform"]
 # default recall targets (measured on the embedded ReLU model and stories260K: benchmarks/README.md, "Accuracy")
 RELU_RECALL: float = 0.95
@@ -44,7 +45,8 @@ class BuildConfig:
     recall_target: float | None = None  # predictor threshold tuned to find this share of active neurons;
     # None = RELU_RECALL when every FFN is ReLU (sparse, redundant: misses cost little), else DENSE_RECALL
     predictor_budget: float = 0.2  # all predictors together, as a fraction of FFN parameters
-    predictor_epochs: int = 20
+    predictor_kind: PredictorKind = "linear"  # linear: reduced-rank regression (Deja Vu form); mlp: PowerInfer's, BCE
+    predictor_epochs: int = 20  # mlp predictors only
     weight_dtype: WeightDType = "float32"  # linear and FFN weights in the artifact (pass convert-weights)
     placement_batch: int = 64  # neurons per placement decision (PowerInfer: 64 in the paper, 256 in code)
     min_layer_neurons: int = 0  # a layer using the GPU holds at least this many hot neurons (0 = off)
@@ -79,6 +81,7 @@ class BuildConfig:
             (self.min_layer_neurons >= 0, "--min-layer-neurons must be >= 0", self.min_layer_neurons),
             (self.calibration_tokens >= 16, "--calibration-tokens must be >= 16", self.calibration_tokens),
             (self.predictor_epochs >= 1, "predictor_epochs must be >= 1", self.predictor_epochs),
+            (self.predictor_kind in ("linear", "mlp"), "--predictor-kind must be linear or mlp", self.predictor_kind),
             (self.predictor in ("trained", "oracle", "none"), "--predictor must be trained, oracle or none", self.predictor),
             (self.max_seq_len is None or self.max_seq_len >= 2, "--max-seq-len must be >= 2", self.max_seq_len),
         ]

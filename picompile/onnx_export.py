@@ -9,7 +9,7 @@ picompile op       ONNX op type    inputs (``""`` = absent optional) / attribute
 =================  ==============  =============================================================
 ffn                FFN             x, w_up, b_up, w_gate, w_down, b_down, mask /
                                    act, layer, n_rows, d_model, gated
-predict            Predict         x, fc1, fc2 → bool mask / threshold, layer, n_rows, rank, d_model
+predict            Predict         x, fc1, fc2[, offset] → bool mask / threshold, layer, act, n_rows, rank, d_model
 oracle_mask        OracleMask      x, w, b[, w_mul] → bool mask / act, threshold, layer, n_rows, d_model
 sparse_ffn         SparseFFN       x, w_up, b_up, w_gate, w_down_t, mask /
                                    act, layer, part, device, n_rows, d_model, gated
@@ -129,14 +129,17 @@ def _t_ffn(x: Any, w_up: Any, b_up: Optional[Any], w_gate: Optional[Any], w_down
                  dict(act=act, layer=layer, n_rows=_rows(w_up), d_model=_d_model(x), gated=int(w_gate is not None)))
 
 
-def _t_predict(x: Any, fc1: Any, fc2: Any, threshold: float, layer: int) -> Any:
-    return _emit("predict", [x, fc1, fc2], dict(threshold=float(threshold), layer=layer, n_rows=_rows(fc2),
-                                                rank=_rows(fc1), d_model=_d_model(x)))
+def _t_predict(x: Any, fc1: Any, fc2: Any, threshold: float, layer: int, act: str = "relu",
+               offset: Optional[Any] = None) -> Any:
+    return _emit("predict", [x, fc1, fc2, offset], dict(threshold=float(threshold), layer=layer, act=act,
+                                                        n_rows=_rows(fc2), rank=_rows(fc1), d_model=_d_model(x)))
 
 
-def _t_tvm_predict(x: Any, fc1: Any, fc2: Any, threshold: float, layer: int, kernel1: str, kernel2: str) -> Any:
-    return _emit("tvm_predict", [x, fc1, fc2], dict(threshold=float(threshold), layer=layer, kernel1=kernel1,
-                                                    kernel2=kernel2, n_rows=_rows(fc2), rank=_rows(fc1), d_model=_d_model(x)))
+def _t_tvm_predict(x: Any, fc1: Any, fc2: Any, threshold: float, layer: int, kernel1: str, kernel2: str,
+                   act: str = "relu", offset: Optional[Any] = None) -> Any:
+    return _emit("tvm_predict", [x, fc1, fc2, offset], dict(threshold=float(threshold), layer=layer, act=act,
+                                                            kernel1=kernel1, kernel2=kernel2, n_rows=_rows(fc2),
+                                                            rank=_rows(fc1), d_model=_d_model(x)))
 
 
 def _t_linear(x: Any, w: Any, b: Optional[Any]) -> Any:

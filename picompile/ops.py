@@ -74,13 +74,20 @@ def predict(
     fc2: Tensor,  # [n_neurons, rank]
     threshold: float,
     layer: int,
+    act: str = "relu",  # "relu": PowerInfer's MLP predictor; "none": a low-rank linear map (Deja Vu)
+    offset: Optional[Tensor] = None,  # [n_neurons] float32, added to the scores
 ) -> Tensor:
-    """PowerInfer's predictor: ``fc2(relu(fc1 x)) > threshold`` → [..., n_neurons] bool mask."""
-    return lin(torch.relu(lin(x, fc1)), fc2) > threshold
+    """An activation predictor: ``fc2(act(fc1 x)) + offset > threshold`` → [..., n_neurons] bool mask."""
+    h = lin(x, fc1)  # [..., rank]
+    scores = lin(torch.relu(h) if act == "relu" else h, fc2)  # [..., n_neurons]
+    if offset is not None:
+        scores = scores.float() + offset
+    return scores > threshold
 
 
 @predict.register_fake
-def _predict_fake(x: Tensor, fc1: Tensor, fc2: Tensor, threshold: float, layer: int) -> Tensor:
+def _predict_fake(x: Tensor, fc1: Tensor, fc2: Tensor, threshold: float, layer: int, act: str = "relu",
+                  offset: Optional[Tensor] = None) -> Tensor:
     return x.new_empty((*x.shape[:-1], fc2.shape[0]), dtype=torch.bool)
 
 
@@ -323,18 +330,22 @@ def tvm_predict(
     fc2: Tensor,  # [n_neurons, rank]
     threshold: float,
     layer: int,
-    kernel1: str,  # llvm kernel: relu(fc1 x) (kind "up", act "relu")
+    kernel1: str,  # llvm kernel: act(fc1 x) (kind "up", act as ``act``)
     kernel2: str,  # llvm kernel: fc2 h (kind "up", act "none")
+    act: str = "relu",
+    offset: Optional[Tensor] = None,  # [n_neurons] float32
 ) -> Tensor:
     """``predict`` lowered to two TVM GEMVs for one token; several tokens take ``predict``."""
     if x.numel() != x.shape[-1]:
-        return predict(x, fc1, fc2, threshold, layer)
+        return predict(x, fc1, fc2, threshold, layer, act, offset)
     h = _gemv(kernel1, x, fc1, f"layer {layer} predictor fc1")  # [rank]
     scores = _gemv(kernel2, h, fc2, f"layer {layer} predictor fc2")  # [n_neurons]
+    if offset is not None:
+        scores += offset
     return (scores > threshold).reshape(*x.shape[:-1], fc2.shape[0])
 
 
 @tvm_predict.register_fake
 def _tvm_predict_fake(x: Tensor, fc1: Tensor, fc2: Tensor, threshold: float, layer: int, kernel1: str,
-                      kernel2: str) -> Tensor:
+                      kernel2: str, act: str = "relu", offset: Optional[Tensor] = None) -> Tensor:
     return x.new_empty((*x.shape[:-1], fc2.shape[0]), dtype=torch.bool)

@@ -1,7 +1,14 @@
 """Activation predictors (Deja Vu / PowerInfer): guess an FFN layer's active neurons from its input.
 
-A predictor is a bias-free low-rank MLP, ``logits = fc2(relu(fc1(x)))`` with ``fc1: d_model → r``
-and ``fc2: r → n_neurons``; neuron ``j`` is predicted active when ``logits[j] >= threshold``. One
+A predictor is a low-rank map, ``logits = fc2(act(fc1(x))) + offset`` with ``fc1: d_model → r`` and
+``fc2: r → n_neurons``; neuron ``j`` is predicted active when ``logits[j] >= threshold``. Two kinds:
+
+* ``"linear"`` (default; Deja Vu's form): ``act`` = identity plus a per-neuron ``offset``, fitted in closed
+  form to the neurons' pre-activations by reduced-rank regression (:mod:`picompile.linear_predictor`);
+* ``"mlp"`` (PowerInfer's form): ``act`` = ReLU, no offset, trained with BCE on the masks
+  (:func:`train_predictor`).
+
+One
 threshold per layer is tuned on held-out tokens so that a target share of the truly active neurons
 (pooled over tokens, "recall") is predicted: a missed neuron is a wrong output, an extra one only
 costs time. Without biases the predictor relies on the input's own offset (post-norm hidden states
@@ -37,19 +44,25 @@ class Predictor(nn.Module):
     """Low-rank activation predictor of one FFN layer: one logit per neuron."""
 
     threshold: Tensor  # [] float32 buffer: predict active iff logit >= threshold
+    offset: Tensor | None  # [n_neurons] float32 buffer added to the logits ("linear" kind), else None
 
-    def __init__(self, d_model: int, n_neurons: int, rank: int, threshold: float = 0.0) -> None:
+    def __init__(self, d_model: int, n_neurons: int, rank: int, threshold: float = 0.0, act: str = "relu") -> None:
         super().__init__()
         if min(d_model, n_neurons, rank) < 1:
             raise ValueError(f"d_model, n_neurons and rank must be >= 1, got {d_model}, {n_neurons}, {rank}")
-        self.d_model, self.n_neurons, self.rank = d_model, n_neurons, rank
+        if act not in ("relu", "none"):
+            raise ValueError(f"predictor act must be relu or none, got {act!r}")
+        self.d_model, self.n_neurons, self.rank, self.act = d_model, n_neurons, rank, act
         self.fc1 = nn.Linear(d_model, rank, bias=False)  # weight [rank, d_model]
         self.fc2 = nn.Linear(rank, n_neurons, bias=False)  # weight [n_neurons, rank]
         self.register_buffer("threshold", torch.tensor(float(threshold), dtype=torch.float32))
+        self.register_buffer("offset", None)
 
     def forward(self, x: Tensor) -> Tensor:
         """Logits ``[..., n_neurons]`` for inputs ``[..., d_model]``."""
-        return self.fc2(torch.relu(self.fc1(x)))
+        h = self.fc1(x)  # [..., rank]
+        logits = self.fc2(torch.relu(h) if self.act == "relu" else h)  # [..., n_neurons]
+        return logits if self.offset is None else logits + self.offset
 
     @torch.no_grad()
     def mask(self, x: Tensor) -> Tensor:
@@ -58,7 +71,7 @@ class Predictor(nn.Module):
 
     @property
     def n_params(self) -> int:
-        return self.rank * (self.d_model + self.n_neurons)
+        return self.rank * (self.d_model + self.n_neurons) + (0 if self.offset is None else self.n_neurons)
 
 
 @dataclass

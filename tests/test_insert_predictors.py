@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from picompile.graph import count_ops
+from picompile.graph import count_ops, get_tensor
 from picompile.testing import context_for, run_passes
 
 PREFIX = ["capture", "canonicalize-ffn", "profile-activations", "train-predictors", "place-neurons"]
@@ -42,3 +42,22 @@ def test_predictor_nodes(mode: str, checkpoints: dict, tmp_path: Path) -> None:
     else:  # trained predictors miss ~1% of active neurons: close, but not identical
         assert 0 < (sparse - dense).abs().max().item()
         assert torch.nn.functional.cosine_similarity(sparse, dense, dim=-1).min() > 0.9
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_predict_node_is_the_trained_predictor(kind: str, checkpoints: dict, tmp_path: Path) -> None:
+    ctx = context_for(checkpoints[("llama", "relu")], tmp_path, calibration_tokens=512, predictor_kind=kind)
+    gm = run_passes(ctx, PREFIX + ["insert-predictors"])
+    preds = {n.args[4]: n for n in gm.graph.nodes if n.target == torch.ops.picompile.predict.default}
+    assert sorted(preds) == sorted(ctx.predictors)
+    for layer, node in preds.items():
+        pred = ctx.predictors[layer]
+        x, fc1, fc2, threshold, _, act, offset = node.args
+        assert act == ("none" if kind == "linear" else "relu") and (offset is None) == (kind == "mlp")
+        assert get_tensor(gm, fc1).shape == (pred.rank, pred.d_model) and threshold == float(pred.threshold)
+        cal_x = ctx.calibration[layer].x[:256]  # [256, d_model]
+        got = torch.ops.picompile.predict(cal_x, get_tensor(gm, fc1), get_tensor(gm, fc2), threshold, layer, act,
+                                          None if offset is None else get_tensor(gm, offset))
+        with torch.no_grad():
+            want = pred(cal_x) > pred.threshold
+        assert got.shape == want.shape and (got == want).float().mean() > 0.999  # float rounding at the threshold

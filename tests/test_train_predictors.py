@@ -1,8 +1,9 @@
-"""train-predictors alone: one predictor per layer, PowerInfer's shape, recall at target on fresh tokens."""
+"""train-predictors alone: one predictor per layer (linear or PowerInfer's MLP), recall at target on fresh tokens."""
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from picompile.graph import get_tensor
@@ -10,8 +11,9 @@ from picompile.ops import oracle_mask
 from picompile.testing import context_for, run_passes
 
 
-def test_predictors_find_active_neurons(checkpoints: dict, tmp_path: Path) -> None:
-    ctx = context_for(checkpoints[("opt", "relu")], tmp_path, calibration_tokens=2048)
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_predictors_find_active_neurons(kind: str, checkpoints: dict, tmp_path: Path) -> None:
+    ctx = context_for(checkpoints[("opt", "relu")], tmp_path, calibration_tokens=2048, predictor_kind=kind)
     gm = run_passes(ctx, ["capture", "canonicalize-ffn", "profile-activations"])
     n_nodes = len(gm.graph.nodes)
     gm = run_passes(ctx, ["train-predictors"], gm)
@@ -23,6 +25,8 @@ def test_predictors_find_active_neurons(checkpoints: dict, tmp_path: Path) -> No
         pred = ctx.predictors[layer.index]
         r = layer.stats["predictor_rank"]
         assert pred.fc1.weight.shape == (r, 64) and pred.fc2.weight.shape == (192, r)
+        assert layer.stats["predictor_kind"] == kind and pred.act == ("none" if kind == "linear" else "relu")
+        assert (pred.offset is None) == (kind == "mlp") and (kind == "mlp" or pred.offset.shape == (192,))
         assert layer.stats["recall_target"] == 0.95  # the default for an all-ReLU model
         assert layer.stats["recall"] >= 0.94
         assert layer.stats["precision"] > layer.stats["true_active"]  # better than guessing

@@ -1,0 +1,154 @@
+"""Low-rank **linear** activation predictors, fitted in closed form (reduced-rank regression).
+
+Neuron ``j`` fires when its *margin* ``z_j`` (the pre-activation ``w_j·x + b_j`` of a ReLU FFN; the
+activation score minus the layer's threshold otherwise) is positive. The predictor regresses the margins,
+each standardised to unit variance, on the layer input with a rank-``r`` linear map (Deja Vu's predictor
+form, ``fc2 · fc1 · x``), then divides each neuron's prediction by the std of its residual on the training
+tokens: the score ``ẑ_j / σ_j`` is how many residual stds the neuron is predicted above its firing point,
+so one threshold over all neurons (tuned to the recall target on held-out tokens) marks the neurons most
+likely to fire. Unlike BCE training on the masks (:func:`picompile.predictor.train_predictor`) this uses
+*how far* each neuron is from firing, needs no epochs, and is deterministic.
+
+The fit, with centred ``X [N, d]`` and standardised centred margins ``Z [N, n]``:
+``G = XᵀX/N + λI = L Lᵀ``, ``C = XᵀZ/N``, ``M = L⁻¹C [d, n]``. The best rank-r fit keeps the top r
+right singular vectors ``V_r`` of M (``M = U S Vᵀ``): ``B_r = G⁻¹ C V_r V_rᵀ``, so ``fc1 = (L⁻ᵀ U_r S_r)ᵀ``
+``[r, d]`` and ``fc2 = V_r [n, r]``; the residual variance of neuron j is ``1 - Σ_{k<r} (S_k V_jk)²``.
+One eigendecomposition of ``M Mᵀ [d, d]`` serves every rank, so :func:`fit_linear_predictor` can choose the
+rank that minimises the bytes a decode step reads: the predictor's own weights plus the FFN rows it selects.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from picompile.predictor import Predictor, PredictorReport, mask_metrics, tune_threshold
+
+RIDGE: float = 1e-3  # λ as a fraction of the mean input variance
+
+
+@dataclass
+class _Fit:
+    """Everything rank-independent of one layer's regression (float64)."""
+
+    mean_x: Tensor  # [d]
+    mean_z: Tensor  # [n] standardised margins' mean
+    scale: Tensor  # [n] std of the raw margins
+    chol: Tensor  # [d, d] lower Cholesky factor L of G
+    u: Tensor  # [d, k] left singular vectors of M, by decreasing singular value
+    s: Tensor  # [k] singular values
+    vs: Tensor  # [n, k] V·S = Mᵀ U: neuron loadings per component
+    var_z: Tensor  # [n] variance of the standardised margins (1, or 0 for a constant margin)
+
+
+@torch.no_grad()
+def _prepare(x: Tensor, z: Tensor, max_rank: int) -> _Fit:
+    """The regression of standardised margins ``z [N, n]`` (overwritten) on inputs ``x [N, d]``, up to ``max_rank``."""
+    n_tok, d = x.shape
+    mean_x = x.mean(0, dtype=torch.float64)  # [d]
+    xc = x - mean_x.float()  # [N, d]
+    raw_mean = z.mean(0, dtype=torch.float64)  # [n]
+    scale = z.std(0, correction=0).double().clamp_min(1e-12)  # [n]
+    zc = z.sub_(raw_mean.float()).div_(scale.float())  # [N, n] standardised, centred (in place: z is ours)
+    var_z = (scale > 1e-12).double()  # [n] 1, or 0 for a constant margin
+    g = (xc.T @ xc).double() / n_tok  # [d, d]
+    g += torch.eye(d, dtype=torch.float64) * (RIDGE * float(g.diagonal().mean()) + 1e-12)
+    c = (xc.T @ zc).double() / n_tok  # [d, n]
+    chol = torch.linalg.cholesky(g)  # [d, d]
+    m = torch.linalg.solve_triangular(chol, c, upper=False)  # [d, n]
+    evals, evecs = torch.linalg.eigh(m @ m.T)  # ascending, [d], [d, d]
+    k = min(max_rank, d)
+    order = torch.argsort(evals, descending=True)[:k]
+    s = evals[order].clamp_min(0).sqrt()  # [k]
+    u = evecs[:, order]  # [d, k]
+    return _Fit(mean_x, raw_mean / scale, scale, chol, u, s, m.T @ u, var_z)
+
+
+def _predictor(fit: _Fit, rank: int) -> Predictor:
+    """The rank-``rank`` predictor of ``fit``, scores in residual stds (threshold 0 until tuned)."""
+    d, n = fit.mean_x.numel(), fit.mean_z.numel()
+    resid = (fit.var_z - fit.vs[:, :rank].pow(2).sum(1)).clamp_min(1e-4 * fit.var_z.clamp_min(1e-12)).sqrt()  # [n]
+    fc1 = torch.linalg.solve_triangular(fit.chol.T, fit.u[:, :rank] * fit.s[:rank], upper=True).T  # [rank, d]
+    inv_s = torch.where(fit.s[:rank] > 0, 1.0 / fit.s[:rank].clamp_min(1e-300), torch.zeros_like(fit.s[:rank]))
+    fc2 = fit.vs[:, :rank] * inv_s / resid[:, None]  # [n, rank]: V_r, each neuron in residual stds
+    # a neuron fires at raw margin 0, i.e. standardised margin 0: score = (mean_z + fc2·fc1·(x - mean_x)) / resid
+    offset = fit.mean_z / resid - fc2 @ (fc1 @ fit.mean_x)  # [n]
+    pred = Predictor(d, n, rank, act="none")
+    with torch.no_grad():
+        pred.fc1.weight.copy_(fc1.float())
+        pred.fc2.weight.copy_(fc2.float())
+    pred.offset = offset.float()
+    return pred.eval()
+
+
+def candidate_ranks(max_rank: int, granularity: int) -> list[int]:
+    """Multiples of ``granularity`` up to ``max_rank`` (at least one rank: ``min(granularity, max_rank)``)."""
+    g = max(1, granularity)
+    ranks = list(range(g, max_rank + 1, g))
+    return ranks or [max(1, max_rank)]
+
+
+@torch.no_grad()
+def fit_linear_predictor(
+    x: Tensor,
+    margin: Tensor,
+    mask: Tensor,
+    ranks: Sequence[int],
+    *,
+    row_cost: float,
+    recall_target: float = 0.99,
+    holdout: float = 0.2,
+    seed: int = 0,
+) -> tuple[Predictor, PredictorReport]:
+    """Fit linear predictors of each rank in ``ranks`` and keep the cheapest at ``recall_target``.
+
+    Args:
+        x: FFN inputs ``[N, d_model]``.
+        margin: ``[N, n_neurons]``, positive where the neuron fires (``mask == margin > 0``).
+        mask: true activity, bool ``[N, n_neurons]``.
+        ranks: candidate ranks, increasing; the search stops once the cost rose twice in a row.
+        row_cost: parameters a decode step reads per selected neuron (``ffn_matrices · d_model``); a
+            rank-r predictor reads ``r · (d_model + n_neurons)``. The kept rank minimises
+            ``r·(d + n) + predicted_active_fraction · n · row_cost`` on the held-out tokens.
+        recall_target, holdout, seed: as in :func:`picompile.predictor.train_predictor`.
+    """
+    if x.ndim != 2 or margin.shape != mask.shape or x.shape[0] != mask.shape[0]:
+        raise ValueError(f"x must be [N, d_model], margin and mask [N, n_neurons], got {tuple(x.shape)}, "
+                         f"{tuple(margin.shape)}, {tuple(mask.shape)}")
+    if not ranks:
+        raise ValueError("no candidate rank")
+    n_tokens, d = x.shape
+    n = mask.shape[1]
+    gen = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(n_tokens, generator=gen)  # [N]
+    n_hold = int(round(holdout * n_tokens))
+    if not 1 <= n_hold < n_tokens - 1:
+        raise ValueError(f"{n_tokens} tokens are too few for a {holdout:.0%} holdout")
+    train_idx, hold_idx = perm[n_hold:], perm[:n_hold]
+    fit = _prepare(x[train_idx].float(), margin[train_idx].float(), max(ranks))  # (indexing copies: z is ours)
+    x_hold, true = x[hold_idx].float(), mask[hold_idx].bool()  # [H, d], [H, n]
+
+    best: tuple[float, Predictor, PredictorReport] | None = None
+    rises, last = 0, math.inf
+    for rank in sorted(set(int(r) for r in ranks if 1 <= r <= fit.s.numel())):
+        pred = _predictor(fit, rank)
+        with torch.no_grad():
+            logits = pred(x_hold)  # [H, n]
+        thr = tune_threshold(logits, true, recall_target)
+        pred.threshold.fill_(thr)
+        recall, precision, frac, true_frac = mask_metrics(logits >= pred.threshold, true)
+        cost = rank * (d + n) + frac * n * row_cost
+        report = PredictorReport(rank=rank, recall=recall, precision=precision, predicted_active_fraction=frac,
+                                 true_active_fraction=true_frac, n_train=int(train_idx.numel()),
+                                 n_holdout=int(n_hold), threshold=thr)
+        if best is None or cost < best[0]:
+            best = (cost, pred, report)
+        rises = rises + 1 if cost > last else 0
+        last = cost
+        if rises >= 2:
+            break
+    assert best is not None, f"no candidate rank in {list(ranks)} is within 1..{fit.s.numel()}"
+    return best[1], best[2]

@@ -1,0 +1,79 @@
+"""Linear predictors fitted by reduced-rank regression: exact on a linear layer, rank chosen by cost,
+better than the BCE-trained MLP where the margins are low-rank, deterministic."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from picompile.linear_predictor import candidate_ranks, fit_linear_predictor
+from picompile.predictor import evaluate, train_predictor
+
+D_MODEL, N_NEURONS, SUBSPACE = 64, 256, 8
+
+
+def _layer(n_tokens: int, seed: int, noise: float = 0.3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens ``x [n_tokens, D_MODEL]`` and margins ``z [n_tokens, N_NEURONS]`` of a fixed random layer.
+
+    Like the synthetic 1B models: ``x`` lies mostly in a SUBSPACE-dimensional subspace (plus ``noise``
+    isotropic), ``z = W x + b`` with i.i.d. rows W and biases that make ~10 % of the neurons fire, skewed.
+    """
+    g = torch.Generator().manual_seed(5)
+    basis = torch.linalg.qr(torch.randn(D_MODEL, SUBSPACE, generator=g)).Q  # [D_MODEL, SUBSPACE]
+    w = torch.randn(N_NEURONS, D_MODEL, generator=g) / D_MODEL ** 0.5  # [N_NEURONS, D_MODEL]
+    b = -2.2 + 1.6 * torch.rand(N_NEURONS, generator=g) ** 3  # [N_NEURONS]
+    t = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_tokens, SUBSPACE, generator=t) @ basis.T * (D_MODEL / SUBSPACE) ** 0.5
+    x = x + noise * torch.randn(n_tokens, D_MODEL, generator=t) + 0.5  # [n_tokens, D_MODEL], offset mean
+    return x, x @ w.T + b
+
+
+def test_exact_on_a_noiseless_low_rank_layer() -> None:
+    x, z = _layer(2000, seed=0, noise=0.0)  # margins are exactly rank SUBSPACE (+ bias) in x
+    pred, report = fit_linear_predictor(x, z, z > 0, [SUBSPACE], row_cost=2 * D_MODEL, recall_target=1.0)
+    assert pred.act == "none" and pred.offset is not None and pred.offset.shape == (N_NEURONS,)
+    assert pred.n_params == SUBSPACE * (D_MODEL + N_NEURONS) + N_NEURONS
+    xf, zf = _layer(1000, seed=1, noise=0.0)
+    m = evaluate(pred, xf, zf > 0)
+    assert m["recall"] >= 0.999 and m["precision"] > 0.97  # the sign of an exact fit is the mask
+    assert report.recall == 1.0 and report.rank == SUBSPACE
+
+
+def test_rank_follows_the_cost_of_rows() -> None:
+    x, z = _layer(3000, seed=0)
+    ranks = candidate_ranks(64, 8)
+    assert ranks == [8, 16, 24, 32, 40, 48, 56, 64] and candidate_ranks(5, 8) == [5]
+    cheap, _ = fit_linear_predictor(x, z, z > 0, ranks, row_cost=0.0, recall_target=0.99)
+    assert cheap.rank == 8  # rows cost nothing: the smallest predictor wins
+    dear, report = fit_linear_predictor(x, z, z > 0, ranks, row_cost=1e6, recall_target=0.99)
+    assert dear.rank >= SUBSPACE and report.recall >= 0.99  # rows are dear: the most selective predictor wins
+    xf, zf = _layer(2000, seed=1)
+    assert evaluate(dear, xf, zf > 0)["predicted_active_fraction"] <= evaluate(cheap, xf, zf > 0)["predicted_active_fraction"]
+
+
+def test_fewer_neurons_than_the_mlp_at_equal_recall() -> None:
+    x, z = _layer(4000, seed=0)
+    lin_pred, lin_rep = fit_linear_predictor(x, z, z > 0, [16], row_cost=2 * D_MODEL, recall_target=0.99)
+    mlp_pred, mlp_rep = train_predictor(x, z > 0, rank=16, epochs=10, seed=0, recall_target=0.99)
+    xf, zf = _layer(2000, seed=1)
+    lin_m, mlp_m = evaluate(lin_pred, xf, zf > 0), evaluate(mlp_pred, xf, zf > 0)
+    assert 0.05 < lin_m["true_active_fraction"] < 0.2
+    assert lin_m["recall"] >= 0.98 and mlp_m["recall"] >= 0.97
+    assert lin_m["predicted_active_fraction"] < 0.8 * mlp_m["predicted_active_fraction"]
+
+
+def test_deterministic_and_validated() -> None:
+    x, z = _layer(800, seed=3)
+    a, _ = fit_linear_predictor(x, z, z > 0, [8, 16], row_cost=128.0, seed=4)
+    b, _ = fit_linear_predictor(x, z, z > 0, [8, 16], row_cost=128.0, seed=4)
+    assert all(torch.equal(a.state_dict()[k], b.state_dict()[k]) for k in a.state_dict())
+    with pytest.raises(ValueError, match="margin and mask"):
+        fit_linear_predictor(x, z[:, :10], z > 0, [8], row_cost=1.0)
+    with pytest.raises(ValueError, match="too few"):
+        fit_linear_predictor(x[:2], z[:2], z[:2] > 0, [8], row_cost=1.0)
+
+
+def test_no_autograd_history_from_inputs_that_require_grad() -> None:
+    x, z = _layer(600, seed=6)
+    z = z.requires_grad_()  # e.g. margins computed from a graph's parameters
+    pred, _ = fit_linear_predictor(x, z, z.detach() > 0, [8], row_cost=128.0)
+    assert pred.offset is not None and pred.offset.grad_fn is None and not pred.offset.requires_grad
