@@ -13,7 +13,7 @@ from picompile.errors import ArtifactError, PicompileError
 from picompile.profile_stats import LayerProfile, summarize
 
 # per-layer keys later passes add to the manifest's layer objects, shown when present
-LAYER_COLUMNS: list[str] = ["n_hot", "n_cold", "predictor_rank", "recall", "sparsity"]
+LAYER_COLUMNS: list[str] = ["n_hot", "n_cold", "predictor_kind", "predictor_rank", "recall", "predicted_active", "sparsity"]
 
 
 def summary_json(root: Path, m: Manifest) -> dict[str, Any]:

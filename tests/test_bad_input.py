@@ -142,3 +142,10 @@ def test_bad_weight_dtype_writes_nothing(checkpoints: dict, tmp_path: Path) -> N
     with pytest.raises(picompile.errors.PicompileError, match="--weight-dtype must be float32 or float16"):
         picompile.build(checkpoints[("llama", "relu")], output=out, weight_dtype="bfloat16", emit=lambda s: None)
     assert not out.exists() and leftovers(tmp_path) == []
+
+
+def test_bad_predictor_kind_writes_nothing(checkpoints: dict, tmp_path: Path) -> None:
+    out = tmp_path / "k.pic"
+    with pytest.raises(picompile.errors.PicompileError, match="--predictor-kind must be linear or mlp"):
+        picompile.build(checkpoints[("llama", "relu")], output=out, predictor_kind="svd", emit=lambda s: None)
+    assert not out.exists() and leftovers(tmp_path) == []
