@@ -8,11 +8,10 @@ A predictor is a low-rank map, ``logits = fc2(act(fc1(x))) + offset`` with ``fc1
 * ``"mlp"`` (PowerInfer's form): ``act`` = ReLU, no offset, trained with BCE on the masks
   (:func:`train_predictor`).
 
-One
-threshold per layer is tuned on held-out tokens so that a target share of the truly active neurons
-(pooled over tokens, "recall") is predicted: a missed neuron is a wrong output, an extra one only
-costs time. Without biases the predictor relies on the input's own offset (post-norm hidden states
-of real LLMs have a large, nearly constant mean component) and on the tuned threshold.
+One threshold per layer is tuned on held-out tokens so that a target share of the truly active neurons
+(pooled over tokens, "recall") is predicted: a missed neuron is a wrong output, an extra one only costs
+time. Without biases the MLP relies on the input's own offset (post-norm hidden states of real LLMs have a
+large, nearly constant mean component) and on the tuned threshold.
 
 :func:`choose_ranks` sizes the predictors of all layers under one parameter budget;
 :func:`train_predictor` trains one on CPU, deterministically for a given seed.
