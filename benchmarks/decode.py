@@ -54,7 +54,7 @@ def artifact_for(checkpoint: Path, cache: Path, calibration_tokens: int, predict
         if (same_weights and m.model.get("source") == str(checkpoint) and m.build.get("predictor") == predictor
                 and (m.sections.get("profile") or {}).get("n_tokens") == calibration_tokens
                 and m.weights.get("dtype", "float32") == weight_dtype
-                and m.build.get("predictor_kind", "mlp") == predictor_kind  # artifacts before the option: mlp
+                and (predictor != "trained" or m.build.get("predictor_kind", "mlp") == predictor_kind)  # before: mlp
                 and all(m.build.get(k, v) == v for k, v in options.items())):
             log(f"reusing {out}")
             return out

@@ -35,7 +35,7 @@ class _Fit:
     """Everything rank-independent of one layer's regression (float64)."""
 
     mean_x: Tensor  # [d]
-    mean_z: Tensor  # [n] standardised margins' mean
+    mean_z: Tensor  # [n] mean(z) / scale: where the centred fit's 0 sits relative to the firing point
     scale: Tensor  # [n] std of the raw margins
     chol: Tensor  # [d, d] lower Cholesky factor L of G
     u: Tensor  # [d, k] left singular vectors of M, by decreasing singular value
@@ -74,7 +74,7 @@ def _predictor(fit: _Fit, rank: int) -> Predictor:
     fc1 = torch.linalg.solve_triangular(fit.chol.T, fit.u[:, :rank] * fit.s[:rank], upper=True).T  # [rank, d]
     inv_s = torch.where(fit.s[:rank] > 0, 1.0 / fit.s[:rank].clamp_min(1e-300), torch.zeros_like(fit.s[:rank]))
     fc2 = fit.vs[:, :rank] * inv_s / resid[:, None]  # [n, rank]: V_r, each neuron in residual stds
-    # a neuron fires at raw margin 0, i.e. standardised margin 0: score = (mean_z + fc2·fc1·(x - mean_x)) / resid
+    # a neuron fires when z / scale > 0: score = (mean_z + fc2·fc1·(x - mean_x)) / resid, mean_z = mean(z) / scale
     offset = fit.mean_z / resid - fc2 @ (fc1 @ fit.mean_x)  # [n]
     pred = Predictor(d, n, rank, act="none")
     with torch.no_grad():
