@@ -5,6 +5,7 @@ from picompile.passes import (  # noqa: F401
     capture,
     convert_weights,
     fold_kv_repeat,
+    fuse_projections,
     insert_predictors,
     lower_tvm,
     package,

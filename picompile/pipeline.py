@@ -19,7 +19,7 @@ from picompile.graph import format_graph, lint
 # PowerInfer's offline half: profile → predictors → placement → predictor nodes → hot/cold split
 _SPARSE: list[str] = [
     "capture", "canonicalize-ffn", "fold-kv-repeat", "profile-activations", "allocate-sparsity", "train-predictors",
-    "place-neurons", "insert-predictors", "split-ffn", "convert-weights",
+    "place-neurons", "insert-predictors", "split-ffn", "convert-weights", "fuse-projections",
 ]
 PIPELINES: dict[str, list[str]] = {
     # the sparse hot/cold graph with its parts lowered to TVM kernels

@@ -77,7 +77,7 @@ def test_float16_artifact(predictor: str, checkpoints: dict, tmp_path: Path) -> 
     ref16 = picompile.build(ckpt, output=tmp_path / "r.pic", weight_dtype="float16", pipeline="reference", **opts)
     session = picompile.load(out16, hybrid="off")
     ops = count_ops(session.graph)
-    assert "aten::linear" not in ops and ops["picompile::tvm_linear"] == 4 * 2 + 1  # q k v o of 2 layers + lm_head
+    assert "aten::linear" not in ops and ops["picompile::tvm_linear"] == 2 * 2 + 1  # fused qkv and o of 2 layers + lm_head
     assert session.manifest.weights["dtype"] == "float16"
     kinds = {(k["spec"]["kind"], k["spec"]["act"], k["spec"]["weight_dtype"]) for k in session.manifest.sections["kernels"]}
     assert ("up", "none", "float16") in kinds and ("ffn_gated", "relu", "float16") in kinds
@@ -118,6 +118,6 @@ def test_float16_artifact_exports_onnx(checkpoints: dict, tmp_path: Path) -> Non
     model = onnx.load(str(tmp_path / "g.onnx"))
     onnx.checker.check_model(model, full_check=True)
     types = [n.op_type for n in model.graph.node if n.domain == "picompile"]
-    assert types.count("TvmLinear") == 9 and types.count("TvmPredict") == 2 and types.count("TvmSparseFFN") == 4
+    assert types.count("TvmLinear") == 5 and types.count("TvmPredict") == 2 and types.count("TvmSparseFFN") == 4
     fp16 = {i.name for i in model.graph.initializer if i.data_type == onnx.TensorProto.FLOAT16}
-    assert len(fp16) >= 9 + 2 * 2 + 4 * 3 - 3  # linears, predictors, FFN rows (an empty hot part may be shared)
+    assert len(fp16) >= 5 + 2 * 2 + 4 * 3 - 3  # linears (q/k/v fused), predictors, FFN rows (an empty hot part may be shared)

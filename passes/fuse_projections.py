@@ -1,0 +1,66 @@
+"""fuse-projections: linear(x, Wq), linear(x, Wk), linear(x, Wv) → slices of linear(x, [Wq; Wk; Wv]):
+linear layers reading the same input (q/k/v) become one GEMV over the stacked rows (one kernel call, one
+stream, instead of three; small k/v projections pay a call's fixed cost for 1 MB of weights).
+"""
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+import picompile.ops  # noqa: F401  (registers picompile:: ops)
+from picompile.context import BuildContext
+from picompile.graph import get_tensor
+from picompile.ops import is_picompile_op
+from picompile.passes.insert_predictors import add_buffer
+from picompile.passes.registry import register_pass
+
+aten = torch.ops.aten
+
+
+def _parts(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:
+    """(x, w, b) of a linear node whose weight (and bias) are stored tensors, else None."""
+    if node.op != "call_function" or not (node.target is aten.linear.default or is_picompile_op(node.target, "linear")):
+        return None
+    x, w, *rest = node.args
+    b = rest[0] if rest else node.kwargs.get("bias")
+    stored = all(isinstance(t, fx.Node) and t.op == "get_attr" for t in (w, *([b] if b is not None else [])))
+    return (x, w, b) if isinstance(x, fx.Node) and stored else None  # type: ignore[return-value]
+
+
+@register_pass("fuse-projections")
+def fuse_projections(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
+    groups: dict[tuple[object, ...], list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        parts = _parts(node)
+        if parts is None:
+            continue
+        x, w, b = parts
+        t = get_tensor(gm, w)  # [d_out, d_in]
+        groups.setdefault((node.target, x, t.dtype, t.shape[1], b is None), []).append(node)
+    fused: list[dict[str, object]] = []
+    for (target, x, _, _, no_bias), nodes in groups.items():
+        if len(nodes) < 2:
+            continue
+        ws = [get_tensor(gm, n.args[1]) for n in nodes]  # each [d_out_i, d_in]
+        first = nodes[0]
+        w_node = add_buffer(gm, f"fused_{first.name}_w", torch.cat(ws), first)  # [sum d_out_i, d_in]
+        b_node = None if no_bias else add_buffer(
+            gm, f"fused_{first.name}_b", torch.cat([get_tensor(gm, _parts(n)[2]) for n in nodes]), first)  # type: ignore[index, arg-type]
+        with gm.graph.inserting_before(first):
+            out = gm.graph.call_function(target, (x, w_node, b_node))  # [..., sum d_out_i]
+            start = 0
+            for n, w in zip(nodes, ws):
+                part = gm.graph.call_function(aten.slice.Tensor, (out, -1, start, start + w.shape[0]))
+                part.meta.update(n.meta)
+                n.replace_all_uses_with(part)
+                start += w.shape[0]
+        for n in nodes:
+            gm.graph.erase_node(n)
+        fused.append({"input": str(getattr(x, "name", x)), "linears": [n.name for n in nodes],
+                      "rows": [int(w.shape[0]) for w in ws]})
+    for node in list(gm.graph.nodes):  # the separate weights no longer read
+        if node.op == "get_attr" and not node.users:
+            gm.graph.erase_node(node)
+    gm.recompile()
+    ctx.manifest_extra["fuse_projections"] = {"groups": len(fused), "fused": fused}
+    return gm
