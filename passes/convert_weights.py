@@ -10,7 +10,7 @@ from torch import fx
 import picompile.ops  # noqa: F401  (registers picompile:: ops)
 from picompile.context import BuildContext
 from picompile.errors import PassError
-from picompile.graph import get_tensor
+from picompile.graph import drop_unused_weights, get_tensor
 from picompile.ops import is_picompile_op
 from picompile.passes.insert_predictors import add_buffer
 from picompile.passes.registry import register_pass
@@ -83,9 +83,7 @@ def convert_weights(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
                         args[pos] = conv(args[pos])
                 node.args = tuple(args)
                 break
-    for node in list(gm.graph.nodes):  # the float32 originals no longer read (an embedding keeps its own)
-        if node.op == "get_attr" and not node.users:
-            gm.graph.erase_node(node)
+    drop_unused_weights(gm)  # the float32 originals no longer read (an embedding keeps its own)
     gm.recompile()
     ctx.manifest_extra["convert_weights"] = {
         "dtype": ctx.config.weight_dtype, "converted": conv.count, "linear_nodes": linears,

@@ -9,7 +9,7 @@ from torch import fx
 
 import picompile.ops  # noqa: F401  (registers picompile:: ops)
 from picompile.context import BuildContext
-from picompile.graph import get_tensor
+from picompile.graph import drop_unused_weights, get_tensor
 from picompile.ops import is_picompile_op
 from picompile.passes.insert_predictors import add_buffer
 from picompile.passes.registry import register_pass
@@ -41,11 +41,12 @@ def fuse_projections(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
     for (target, x, _, _, no_bias), nodes in groups.items():
         if len(nodes) < 2:
             continue
-        ws = [get_tensor(gm, n.args[1]) for n in nodes]  # each [d_out_i, d_in]
+        parts = [_parts(n) for n in nodes]
+        ws = [get_tensor(gm, w) for _, w, _ in parts]  # type: ignore[misc]  # each [d_out_i, d_in]
         first = nodes[0]
         w_node = add_buffer(gm, f"fused_{first.name}_w", torch.cat(ws), first)  # [sum d_out_i, d_in]
         b_node = None if no_bias else add_buffer(
-            gm, f"fused_{first.name}_b", torch.cat([get_tensor(gm, _parts(n)[2]) for n in nodes]), first)  # type: ignore[index, arg-type]
+            gm, f"fused_{first.name}_b", torch.cat([get_tensor(gm, b) for _, _, b in parts]), first)  # type: ignore[misc, arg-type]
         with gm.graph.inserting_before(first):
             out = gm.graph.call_function(target, (x, w_node, b_node))  # [..., sum d_out_i]
             start = 0
@@ -58,9 +59,7 @@ def fuse_projections(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
             gm.graph.erase_node(n)
         fused.append({"input": str(getattr(x, "name", x)), "linears": [n.name for n in nodes],
                       "rows": [int(w.shape[0]) for w in ws]})
-    for node in list(gm.graph.nodes):  # the separate weights no longer read
-        if node.op == "get_attr" and not node.users:
-            gm.graph.erase_node(node)
+    drop_unused_weights(gm)  # the separate weights no longer read
     gm.recompile()
     ctx.manifest_extra["fuse_projections"] = {"groups": len(fused), "fused": fused}
     return gm

@@ -11,7 +11,7 @@ from torch import fx
 import picompile.ops  # noqa: F401  (registers picompile:: ops)
 from picompile.context import BuildContext
 from picompile.errors import PassError
-from picompile.graph import get_tensor
+from picompile.graph import drop_unused_weights, get_tensor
 from picompile.ops import is_picompile_op
 from picompile.passes.insert_predictors import MASK_ARG, add_buffer
 from picompile.passes.profile_activations import ffn_nodes
@@ -75,13 +75,7 @@ def split_ffn(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
         node.replace_all_uses_with(merged)
         g.erase_node(node)
     g.eliminate_dead_code()
-    _drop_unused_attrs(gm)
+    drop_unused_weights(gm)  # e.g. mask rows replaced by permuted copies
     gm.recompile()
     return gm
 
-
-def _drop_unused_attrs(gm: fx.GraphModule) -> None:
-    """Forget flat buffers no node reads any more (e.g. mask rows replaced by permuted copies)."""
-    used = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
-    for name in [n for n, _ in gm.named_buffers(recurse=False) if n not in used]:
-        delattr(gm, name)

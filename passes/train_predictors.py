@@ -10,7 +10,7 @@ from picompile.errors import PassError
 from picompile.linear_predictor import candidate_ranks, fit_linear_predictor
 from picompile.passes.profile_activations import decider_of, ffn_nodes
 from picompile.passes.registry import register_pass
-from picompile.predictor import KERNEL_GRANULARITY, choose_ranks, train_predictor
+from picompile.predictor import choose_ranks, rank_granularity, train_predictor
 
 
 @register_pass("train-predictors")
@@ -25,11 +25,12 @@ def train_predictors(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
     first = layers[0]
     matrices = 3 if first.kind == "gated" else 2
     d, n = first.d_model, first.n_neurons
-    ranks = choose_ranks([ctx.calibration[layer.index].profile for layer in layers], d, n,
-                         ffn_matrices=matrices, budget_fraction=cfg.predictor_budget)
-    granularity = KERNEL_GRANULARITY if min(d, n) >= 1024 else 8
-    # linear: every layer may use up to an equal share of the budget; the rank is the cheapest per token
+    # mlp: these ranks, shared out under the budget (which this also checks: BudgetError when too small);
+    # linear: up to an equal share of the budget each, the cheapest per token kept
+    ranks = choose_ranks([ctx.calibration[layer.index].profile for layer in layers], d, n, ffn_matrices=matrices,
+                         budget_fraction=cfg.predictor_budget)
     max_rank = max(1, min(d, n, int(cfg.predictor_budget * matrices * d * n) // (d + n)))
+    granularity = rank_granularity(d, n)
     recall_target = cfg.recall_for(all(layer.act == "relu" for layer in layers))
     nodes = ffn_nodes(gm)
     for layer, rank in ctx.track(list(zip(layers, ranks)), "fitting predictors"):

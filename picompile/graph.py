@@ -23,6 +23,17 @@ def flatten_codegen(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+def drop_unused_weights(gm: fx.GraphModule) -> None:
+    """Erase the get_attr nodes nothing reads, then forget the flat buffers no get_attr node names (weights a
+    pass replaced: permuted, converted or stacked copies), so the build stops holding them."""
+    for node in list(gm.graph.nodes):
+        if node.op == "get_attr" and not node.users:
+            gm.graph.erase_node(node)
+    used = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    for name in [n for n, _ in gm.named_buffers(recurse=False) if n not in used]:
+        delattr(gm, name)
+
+
 def drop_metadata_asserts(gm: fx.GraphModule) -> fx.GraphModule:
     """Remove torch.export's ``aten._assert_tensor_metadata`` checks (no outputs; ~2 per layer per step)."""
     for node in list(gm.graph.nodes):

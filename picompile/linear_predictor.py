@@ -36,7 +36,6 @@ class _Fit:
 
     mean_x: Tensor  # [d]
     mean_z: Tensor  # [n] mean(z) / scale: where the centred fit's 0 sits relative to the firing point
-    scale: Tensor  # [n] std of the raw margins
     chol: Tensor  # [d, d] lower Cholesky factor L of G
     u: Tensor  # [d, k] left singular vectors of M, by decreasing singular value
     s: Tensor  # [k] singular values
@@ -64,7 +63,7 @@ def _prepare(x: Tensor, z: Tensor, max_rank: int) -> _Fit:
     order = torch.argsort(evals, descending=True)[:k]
     s = evals[order].clamp_min(0).sqrt()  # [k]
     u = evecs[:, order]  # [d, k]
-    return _Fit(mean_x, raw_mean / scale, scale, chol, u, s, m.T @ u, var_z)
+    return _Fit(mean_x, raw_mean / scale, chol, u, s, m.T @ u, var_z)
 
 
 def _predictor(fit: _Fit, rank: int) -> Predictor:

@@ -130,6 +130,11 @@ def tune_threshold(logits: Tensor, mask: Tensor, recall_target: float) -> float:
 KERNEL_GRANULARITY: int = 64  # predictor ranks of large layers: a multiple of the GEMV kernel's 64 lanes
 
 
+def rank_granularity(d_model: int, n_neurons: int) -> int:
+    """Step of predictor ranks: :data:`KERNEL_GRANULARITY` for layers of 1024+ (d_model and neurons), else 8."""
+    return KERNEL_GRANULARITY if min(d_model, n_neurons) >= 1024 else 8
+
+
 def choose_ranks(
     layer_stats: Sequence[LayerStats],
     d_model: int,
@@ -167,7 +172,7 @@ def choose_ranks(
     if budget_params is None:
         budget_params = int(budget_fraction * n_layers * ffn_matrices * d_model * n_neurons)
     budget = int(budget_params)
-    g = granularity or (KERNEL_GRANULARITY if min(d_model, n_neurons) >= 1024 else 8)
+    g = granularity or rank_granularity(d_model, n_neurons)
     cap = max_rank if max_rank is not None else max(g, (min(d_model, n_neurons) // g) * g)
 
     if budget < n_layers * g * per_rank:
