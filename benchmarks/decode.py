@@ -68,6 +68,7 @@ def artifact_for(checkpoint: Path, cache: Path, calibration_tokens: int, predict
 
 ROWS: list[tuple[str, str, str]] = [  # (label, key, format)
     ("decode tok/s, picompile", "decode_tokens_per_s", "{:.2f}"),
+    ("  the same, eager step (--compile)", "eager_decode_tokens_per_s", "{:.2f}"),
     ("decode tok/s, picompile dense=True", "artifact_dense_decode_tokens_per_s", "{:.2f}"),
     ("decode tok/s, PyTorch eager", "dense_decode_tokens_per_s", "{:.2f}"),
     ("decode tok/s, ONNX Runtime", "ort_decode_tokens_per_s", "{:.2f}"),
@@ -135,6 +136,8 @@ def main() -> int:
                          "column shows what exact masks would give)")
     ap.add_argument("--predictor-kind", default="linear", choices=["linear", "mlp"],
                     help="trained predictors: linear (default, closed-form fit) or mlp (PowerInfer's, BCE)")
+    ap.add_argument("--compile", action="store_true",
+                    help="also run picompile's step through torch.compile (the headline ratios are then its own)")
     ap.add_argument("--rebuild", action="store_true", help="rebuild the artifacts even if cached")
     ap.add_argument("--no-extras", action="store_true", help="skip ONNX Runtime and llama.cpp")
     ap.add_argument("--cache-dir", type=Path, help="artifact cache (default: <picompile cache>/bench)")
@@ -158,7 +161,8 @@ def main() -> int:
                                args.weight_dtype, args.recall_target, args.predictor_kind)
             log(f"{shape} ({predictor}): benchmarking (load average {os.getloadavg()[0]:.1f})")
             result = run_bench(art, args.tokens, args.prompt_len, args.repeats, args.threads,
-                               extras=not args.no_extras, gguf=args.gguf, gguf_type=args.gguf_type, emit=log)
+                               extras=not args.no_extras, gguf=args.gguf, gguf_type=args.gguf_type,
+                               compile=args.compile, emit=log)
             result["bound_share"] = result["decode_tokens_per_s"] / result["bound_tokens_per_s"]
             ort = result["engines"].get("onnxruntime")
             result["ort_decode_tokens_per_s"] = ort["decode_tokens_per_s"] if ort else None

@@ -2,6 +2,8 @@
 
 Every engine runs in this process on the same prompt (seeded random token ids) and decodes greedily:
 
+* ``picompile-compiled`` (``--compile``) the same step through ``torch.compile`` (``load(art, compile=True)``),
+                       sharing the weights; listed first, the headline ratios are then its own;
 * ``picompile``        the artifact as built (predictors + sparse kernels);
 * ``picompile-dense``  the same graph with every FFN neuron computed (``load(art, dense=True)``; it shares
                        the weights of the first, so it costs no memory);
@@ -142,6 +144,14 @@ def dense_view(session: Any) -> Any:
 
     gm = fx.GraphModule(session.graph, copy.deepcopy(session.graph.graph))
     return Session(session.root, session.manifest, drop_masks(gm), session.tokenizer)
+
+
+def compiled_view(session: Any) -> Any:
+    """The session's step through torch.compile (``load(art, compile=True)``), sharing its weights."""
+    from picompile.runtime import Session
+    from picompile.runtime.compile import compile_step
+
+    return Session(session.root, session.manifest, session.graph, session.tokenizer, step_fn=compile_step(session.graph))
 
 
 def ort_engine(source: str, cache_dir: Path, threads: int) -> Engine | str:
@@ -404,6 +414,7 @@ def run_bench(
     copy_mib: int = 256,
     seed: int = 0,
     mask_tokens: int = 8,
+    compile: bool = False,
     emit: Callable[[str], None] = lambda s: None,
 ) -> dict[str, Any]:
     """Measure ``artifact`` against dense PyTorch eager; return the result dict (see the module doc)."""
@@ -424,6 +435,7 @@ def run_bench(
     torch.set_num_threads(threads)
     emit(f"loading {artifact}")
     session = picompile.load(artifact, hybrid="off")  # its byte and mask accounting reads the unscheduled parts
+    compiled = compiled_view(session) if compile else None
     manifest = session.manifest
     gguf_type = gguf_type or ("f16" if manifest.weights.get("dtype") == "float16" else "f32")  # as the artifact
     if manifest.sections.get("kernels"):
@@ -440,9 +452,12 @@ def run_bench(
     model, _info = load_model(source)
     model = model.eval()
     engines = [session_engine("picompile", "picompile", session)]
+    if compiled is not None:  # first, so it is the one every ratio is about; the eager step stays beside it
+        engines.insert(0, session_engine("picompile-compiled", "picompile compile=True", compiled))
     dense_session = dense_view(session) if dense_artifact else None
     if dense_session is not None:
-        engines.append(session_engine("picompile-dense", "picompile dense=True", dense_session))
+        dense_run = compiled_view(dense_session) if compile else dense_session
+        engines.append(session_engine("picompile-dense", f"picompile dense=True{' compile=True' if compile else ''}", dense_run))
     engines.append(pytorch_engine(model))
     skipped: dict[str, str] = {}
     if extras:
@@ -492,7 +507,7 @@ def run_bench(
     kv = kv_bytes(session, prompt_len + (tokens - 1) / 2)
     bw = statistics.median(bandwidth)
     rates = {eng.name: eng.rates(prompt_len, tokens) for eng in engines}
-    pf, dc = rates["picompile"]
+    pf, dc = rates[engines[0].name]  # the compiled step when compile=True, else the eager one
     dpf, ddc = rates["pytorch"]
     bytes_tok = sparse_w["total"] + kv
     dense_bytes = dense_w["total"] + kv
@@ -537,6 +552,7 @@ def run_bench(
         "gguf": str(gguf) if gguf is not None else None,  # as given; the file used: engines["llama.cpp"]["gguf"]
         "gguf_type": gguf_type,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "compiled": compile,
         "kernels": bool(manifest.sections.get("kernels")),
         "bandwidth_samples_gbs": [b / 1e9 for b in bandwidth],
         "load_average": [load_before[0], os.getloadavg()[0]],
@@ -544,6 +560,10 @@ def run_bench(
         "predictor": manifest.build.get("predictor"),
         "weight_dtype": manifest.weights.get("dtype", "float32"),
     }
+    if compile:
+        result["same_tokens_as_eager"] = _common_prefix(engines[0].tokens, _by_name(engines, "picompile").tokens)
+        result["eager_decode_tokens_per_s"] = rates["picompile"][1]
+        result["eager_prefill_tokens_per_s"] = rates["picompile"][0]
     if "llama.cpp" in rates:
         result["llama_cpp_decode_tokens_per_s"] = rates["llama.cpp"][1]
         result["decode_vs_llama_cpp"] = dc / rates["llama.cpp"][1]
@@ -618,6 +638,9 @@ def print_report(result: dict[str, Any], console: Any | None = None) -> None:
         f"copy bandwidth {result['bandwidth_gbs']:.2f} GB/s → bound {result['bound_tokens_per_s']:.2f} tok/s "
         f"(dense bound {result['dense_bound_tokens_per_s']:.2f}); picompile decode reaches "
         f"{result['decode_tokens_per_s'] / result['bound_tokens_per_s']:.0%} of its bound")
+    if result.get("compiled"):
+        console.print(f"compiled step: greedy tokens equal to the eager step's: first {result['same_tokens_as_eager']} "
+                      f"of {result['tokens'] + 1}")
     console.print(f"[dim]greedy tokens equal to PyTorch's: first {result['same_tokens_as_pytorch']} of "
                   f"{result['tokens'] + 1}; load average {result['load_average'][0]:.2f} → {result['load_average'][1]:.2f}"
                   f"{'; SYNTHETIC model' if result['synthetic'] else ''}[/dim]")
@@ -645,6 +668,9 @@ def add_subcommand(sub: Any) -> None:
                    help="weight type of --gguf auto's conversion and llama.cpp's KV cache (default: the artifact's, "
                         "f16 for --weight-dtype float16 builds, else f32)")
     p.add_argument("--copy-mib", type=int, default=256, metavar="MIB", help="bandwidth copy buffer (default 256)")
+    p.add_argument("--compile", action="store_true",
+                   help="also run the step through torch.compile (load(compile=True)); the ratios are then the "
+                        "compiled step's, the eager one stays beside it")
     p.add_argument("--mask-tokens", type=int, default=8, metavar="N",
                    help="decode steps whose masks are counted for bytes/token (0: use the manifest)")
     p.set_defaults(fn=cmd_bench)
@@ -658,7 +684,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result = run_bench(args.artifact, args.tokens, args.prompt_len, args.repeats, args.threads,
                            dense_artifact=not args.no_dense_artifact, extras=not args.no_extras,
                            gguf=args.gguf, gguf_type=args.gguf_type, copy_mib=args.copy_mib,
-                           mask_tokens=args.mask_tokens, emit=lambda s: status.update(s))
+                           mask_tokens=args.mask_tokens, compile=args.compile, emit=lambda s: status.update(s))
     if args.json:
         sys.stdout.write(json.dumps(result) + "\n")
     else:

@@ -6,7 +6,8 @@ from pathlib import Path
 from picompile.runtime.session import Session
 
 
-def load(path: str | Path, verify: bool = True, dense: bool = False, hybrid: str = "auto") -> Session:
+def load(path: str | Path, verify: bool = True, dense: bool = False, hybrid: str = "auto",
+         compile: bool = False) -> Session:
     """Load an artifact directory: check its manifest version and checksums, bind weights, return a Session.
 
     ``dense=True`` computes every FFN neuron (predictors dropped): the artifact's own dense reference.
@@ -15,18 +16,29 @@ def load(path: str | Path, verify: bool = True, dense: bool = False, hybrid: str
     on a worker thread, overlapping the cold one), "cuda" (the hot part on the GPU, asynchronously) or
     "auto" (cuda where CUDA is available and the artifact's target has a GPU, else inline).
     ``session.hybrid_mode`` says which one runs.
+    ``compile=True`` runs the step through ``torch.compile`` (``picompile.runtime.compile``): the aten glue
+    between the kernels is fused into C++ loops at the first prefill and decode call (slow the first time).
     """
     from picompile.runtime.hybrid import check_mode
     from picompile.runtime.loader import load_artifact
 
     check_mode(hybrid)  # a bad mode fails before anything is read
+    if compile:
+        from picompile.runtime.compile import check_compiler
+
+        check_compiler()
     root, manifest, graph = load_artifact(path, verify=verify, dense=dense, hybrid=hybrid)
+    step_fn = None
+    if compile:
+        from picompile.runtime.compile import compile_step
+
+        step_fn = compile_step(graph)
     tokenizer = None
     if manifest.tokenizer:
         from picompile.tokenizers import load_tokenizer_entry
 
         tokenizer = load_tokenizer_entry(manifest.tokenizer, root)
-    return Session(root, manifest, graph, tokenizer)
+    return Session(root, manifest, graph, tokenizer, step_fn=step_fn)
 
 
 __all__ = ["Session", "load"]

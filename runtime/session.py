@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor, fx
@@ -14,10 +14,13 @@ from picompile.errors import InputError
 class Session:
     """Runs an artifact's graph. ``generate`` returns only the new token ids."""
 
-    def __init__(self, root: Path, manifest: Manifest, graph: fx.GraphModule, tokenizer: Any | None) -> None:
+    def __init__(self, root: Path, manifest: Manifest, graph: fx.GraphModule, tokenizer: Any | None,
+                 step_fn: Callable[..., tuple[Tensor, ...]] | None = None) -> None:
         self.root = root
         self.manifest = manifest
-        self.graph = graph
+        self.graph = graph  # the graph as loaded (inspect it, interpret it)
+        self.step_fn = step_fn or graph  # what ``step`` calls: the graph, or its compiled form (load(compile=True))
+        self.compiled: bool = step_fn is not None
         self.tokenizer = tokenizer
         model = manifest.model
         self.vocab_size: int = int(model["vocab_size"])
@@ -45,12 +48,13 @@ class Session:
 
     # -- low level -------------------------------------------------------------------------
     def empty_past(self) -> tuple[Tensor, ...]:
-        return tuple(torch.zeros(1, self.kv_heads, 0, self.head_dim) for _ in range(self.n_past))
+        with torch.inference_mode():  # like every later past (step runs in inference mode): one compiled guard
+            return tuple(torch.zeros(1, self.kv_heads, 0, self.head_dim) for _ in range(self.n_past))
 
     def step(self, ids: Tensor, past: tuple[Tensor, ...]) -> tuple[Tensor, tuple[Tensor, ...]]:
         """One graph call: ids [1, seq] after ``past`` → (logits [seq, vocab], presents)."""
         with torch.inference_mode():
-            out = self.graph(ids, *past)
+            out = self.step_fn(ids, *past)
         return out[0][0], tuple(out[1:])
 
     def _ids(self, prompt_or_ids: str | Sequence[int] | Tensor) -> list[int]:

@@ -81,6 +81,18 @@ def test_bench_json(tiny_artifact: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert out["synthetic"] is True
 
 
+def test_bench_json_compiled(tiny_artifact: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--compile: the compiled step leads (its rates are the headline), the eager one stays beside it."""
+    assert main(["bench", str(tiny_artifact), "--tokens", "4", "--repeats", "1", "--json", "--threads", "1",
+                 "--prompt-len", "16", "--no-extras", "--no-dense-artifact", "--copy-mib", "64", "--compile"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["compiled"] is True
+    assert list(out["engines"]) == ["picompile-compiled", "picompile", "pytorch"]
+    assert out["decode_tokens_per_s"] == out["engines"]["picompile-compiled"]["decode_tokens_per_s"]
+    assert out["eager_decode_tokens_per_s"] == out["engines"]["picompile"]["decode_tokens_per_s"]
+    assert out["same_tokens_as_eager"] == 5 and out["same_tokens_as_pytorch"] == 5
+
+
 def test_bench_bytes_dense_graph_counts_every_row(tiny_artifact: Path) -> None:
     from picompile.bench import dense_view
 

@@ -1,0 +1,87 @@
+"""Compile a loaded step graph with ``torch.compile`` (TorchInductor's CPU C++ backend).
+
+graph of ~1,400 aten glue nodes around picompile's kernels → a few dozen fused C++ loops around the same
+kernels. The glue (RMSNorm, rotary embedding, attention, residual adds, KV-cache concatenation) costs ~20 ms
+of an ~80 ms 1B decode step when every node is a separate eager dispatch; compiled, the step is 13–15 %
+faster (measured, llama-1b-relu f16). picompile ops stay opaque calls (their fake implementations give
+inductor the shapes), and so do hybrid-scheduled FFN layers (``HybridFFN``: a graph break each, so their
+threads, streams and events never enter a traced graph).
+
+Shapes are dynamic (the KV length grows every step): one graph for prefill, one for decode, compiled at
+their first calls (about a minute for a 1B model on 2 cores the first time, seconds once inductor's
+on-disk cache holds them). Needs a C++ compiler at load time, as inductor does.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, fx
+
+from picompile.errors import InputError
+from picompile.ops import DirectCall
+
+StepFn = Callable[..., tuple[Tensor, ...]]  # (ids [1, seq], *past) -> (logits, *presents)
+
+
+def _opaque(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` as a call torch.compile runs eagerly (a graph break), keeping fx's name for it."""
+
+    @torch._dynamo.disable  # type: ignore[misc]
+    @functools.wraps(fn)
+    def call(*args: Any) -> Any:
+        return fn(*args)
+
+    call.__name__ = getattr(fn, "__name__", "opaque")
+    return call
+
+
+def check_compiler() -> None:
+    """Fail early, with the reason, where inductor cannot build C++ (no compiler on PATH)."""
+    import shutil
+
+    if not any(shutil.which(cc) for cc in ("g++", "c++", "clang++")):
+        raise InputError("compile=True needs a C++ compiler (g++ or clang++) on PATH for TorchInductor; "
+                         "none was found (load without compile)")
+
+
+def _opaque_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` sharing its weights, where picompile ops are their torch op overloads again
+    (inductor calls them through their fake implementations' shapes, where a ``DirectCall`` would be
+    traced into) and hybrid schedulers are opaque calls."""
+    from picompile.runtime.hybrid import HybridFFN
+
+    graph = copy.deepcopy(gm.graph)
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if isinstance(node.target, DirectCall):
+            node.target = node.target.overload
+        elif isinstance(node.target, HybridFFN):
+            node.target = _opaque(node.target)
+    return fx.GraphModule(gm, graph)  # its buffers are gm's tensors
+
+
+def compile_step(gm: fx.GraphModule) -> StepFn:
+    """The compiled step of a loaded graph ``gm``, which is left as it is (the graph to inspect and
+    interpret); the compiled copies share its weights."""
+    check_compiler()
+    # two copies, each with its own generated code (so its own compiled graphs): prefill's fused loops use
+    # every thread, decode's run on one — a decode step's glue is tiny, and waking OpenMP workers for each
+    # loop costs more than it saves (measured: 53.9 against 55.5 ms per 1B f16 step, while one-thread
+    # loops slowed prefill from 74 to 67 tok/s); the kernels and torch's GEMMs keep every thread
+    prefill = torch.compile(_opaque_copy(gm), dynamic=True)
+    decode = torch.compile(_opaque_copy(gm), dynamic=True, options={"cpp.threads": 1})
+
+    def step(ids: Tensor, *past: Tensor) -> tuple[Tensor, ...]:
+        for t in past:  # the KV length varies: one decode graph for every length (no recompile at +1)
+            if t.dim() == 4 and t.shape[2] > 1:
+                torch._dynamo.maybe_mark_dynamic(t, 2)
+        out = (decode if ids.shape[-1] == 1 else prefill)(ids, *past)
+        # inductor may return a present as a strided view (prefill: cat with the empty past elided); the
+        # next step's graph is guarded on strides, so every present is handed on contiguous
+        return tuple(o if o.is_contiguous() else o.contiguous() for o in out)
+
+    return step
