@@ -93,13 +93,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - start
     if args.json:
         print(json.dumps({"prompt": prompt, "ids": new, "text": session.decode(new) if session.tokenizer else None,
-                          "seconds": elapsed}))
+                          "seconds": elapsed, "compiled": session.compiled}))  # seconds include a compilation
         return 0
     if session.tokenizer is not None:
         print(args.prompt + session.decode(new) if isinstance(prompt, str) else session.decode(prompt + new))
     else:
         print(" ".join(str(i) for i in new))
-    _console().print(f"[dim]{len(new)} tokens in {elapsed:.2f} s[/dim]")
+    note = " (including the step's compilation)" if args.compile else ""
+    _console().print(f"[dim]{len(new)} tokens in {elapsed:.2f} s{note}[/dim]")
     return 0
 
 

@@ -64,3 +64,16 @@ def test_compile_without_a_cxx_compiler_fails_clearly(f16_artifact: Path, monkey
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(InputError, match="C\\+\\+ compiler"):
         picompile.load(f16_artifact, compile=True)
+
+
+def test_cli_run_compile(f16_artifact: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from picompile.cli import main
+
+    assert main(["run", str(f16_artifact), "--ids", "5,17,33", "-n", "6", "--json"]) == 0
+    eager = json.loads(capsys.readouterr().out)
+    assert main(["run", str(f16_artifact), "--ids", "5,17,33", "-n", "6", "--json", "--compile"]) == 0
+    compiled = json.loads(capsys.readouterr().out)
+    assert compiled["compiled"] is True and eager["compiled"] is False
+    assert compiled["ids"] == eager["ids"] and len(eager["ids"]) == 6
