@@ -18,15 +18,17 @@ def load(path: str | Path, verify: bool = True, dense: bool = False, hybrid: str
     ``session.hybrid_mode`` says which one runs.
     ``compile=True`` runs the step through ``torch.compile`` (``picompile.runtime.compile``): the aten glue
     between the kernels is fused into C++ loops at the first prefill and decode call (slow the first time).
+    There "auto" resolving to "inline" loads "off" instead: the same computation, which the compiler sees through.
     """
     from picompile.runtime.hybrid import check_mode
     from picompile.runtime.loader import load_artifact
 
     check_mode(hybrid)  # a bad mode fails before anything is read
     if compile:
-        from picompile.runtime.compile import check_compiler
+        from picompile.runtime.compile import check_compiler, transparent_mode
 
         check_compiler()
+        hybrid = transparent_mode(path, hybrid)
     root, manifest, graph = load_artifact(path, verify=verify, dense=dense, hybrid=hybrid)
     step_fn = None
     if compile:

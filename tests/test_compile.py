@@ -77,3 +77,33 @@ def test_cli_run_compile(f16_artifact: Path, capsys: pytest.CaptureFixture[str])
     compiled = json.loads(capsys.readouterr().out)
     assert compiled["compiled"] is True and eager["compiled"] is False
     assert compiled["ids"] == eager["ids"] and len(eager["ids"]) == 6
+
+
+@pytest.fixture(scope="module")
+def cpu_artifact(checkpoints: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Target cpu: every neuron cold, so each layer's hot part has no rows (reference ops, no kernels)."""
+    out = tmp_path_factory.mktemp("compile") / "cpu.pic"
+    return picompile.build(checkpoints[("llama", "relu")], target="cpu", pipeline="reference", output=out,
+                           calibration_tokens=256, max_seq_len=64, placement_batch=8, emit=lambda s: None,
+                           progress=False)
+
+
+def test_trivial_ops_fold_into_aten(cpu_artifact: Path) -> None:
+    """The compiled copy: merge → adds, the empty hot part → zeros_like; auto (inline here) compiles "off"."""
+    from picompile.ops import is_picompile_op
+    from picompile.runtime.compile import _opaque_copy
+
+    eager = picompile.load(cpu_artifact)
+    assert eager.hybrid_mode == "inline"
+    compiled = picompile.load(cpu_artifact, compile=True)
+    assert compiled.hybrid_mode == "off"
+    calls = [n for n in compiled.graph.graph.nodes if n.op == "call_function"]
+    n_layers = sum(is_picompile_op(n.target, "merge") for n in calls)
+    assert n_layers == 2 and sum(is_picompile_op(n.target, "sparse_ffn") for n in calls) == 2 * n_layers
+    copy = [n for n in _opaque_copy(compiled.graph).graph.nodes if n.op == "call_function"]
+    assert not any(is_picompile_op(n.target, "merge") for n in copy)
+    assert sum(is_picompile_op(n.target, "sparse_ffn") for n in copy) == n_layers  # the cold parts
+    assert sum(n.target is torch.ops.aten.zeros_like.default for n in copy) == n_layers
+    want, got = _logits(eager, 4), _logits(compiled, 4)
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
