@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, fx
 
-from picompile.errors import InputError
+from picompile.errors import InputError, PicompileError
 from picompile.graph import get_tensor
 from picompile.ops import DirectCall, is_picompile_op
 from picompile.runtime.hybrid import PART_OPS
@@ -121,7 +121,12 @@ def compile_step(gm: fx.GraphModule) -> StepFn:
         for t in past:  # the KV length varies: one decode graph for every length (no recompile at +1)
             if t.dim() == 4 and t.shape[2] > 1:
                 torch._dynamo.maybe_mark_dynamic(t, 2)
-        out = (decode if ids.shape[-1] == 1 else prefill)(ids, *past)
+        try:
+            out = (decode if ids.shape[-1] == 1 else prefill)(ids, *past)
+        except torch._dynamo.exc.BackendCompilerFailed as e:  # inductor could not build the step
+            raise PicompileError(f"torch.compile could not compile this artifact's step ({type(e.inner_exception).__name__}: "
+                                 f"{str(e.inner_exception).splitlines()[0] if str(e.inner_exception) else ''}); "
+                                 "load it without compile") from e
         # inductor may return a present as a strided view (prefill: cat with the empty past elided); the
         # next step's graph is guarded on strides, so every present is handed on contiguous
         return tuple(o if o.is_contiguous() else o.contiguous() for o in out)

@@ -107,3 +107,20 @@ def test_trivial_ops_fold_into_aten(cpu_artifact: Path) -> None:
     want, got = _logits(eager, 4), _logits(compiled, 4)
     for w, g in zip(want, got):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+def test_compile_failure_is_one_clear_error(cpu_artifact: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend that cannot compile the step surfaces as one PicompileError naming the way out."""
+    import picompile.runtime.compile as rc
+    from picompile.errors import PicompileError
+
+    def broken_backend(gm: torch.fx.GraphModule, inputs: list) -> None:
+        raise RuntimeError("no C++ toolchain today")
+
+    real = torch.compile
+    monkeypatch.setattr(rc.torch, "compile", lambda gm, dynamic=None, options=None: real(gm, dynamic=dynamic,
+                                                                                       backend=broken_backend))
+    session = picompile.load(cpu_artifact, compile=True)
+    with pytest.raises(PicompileError, match="could not compile.*no C\\+\\+ toolchain today.*without compile"):
+        session.step(torch.tensor([PROMPT]), session.empty_past())
+    torch._dynamo.reset()
