@@ -20,16 +20,23 @@ def load(path: str | Path, verify: bool = True, dense: bool = False, hybrid: str
     between the kernels is fused into C++ loops at the first prefill and decode call (slow the first time).
     There "auto" resolving to "inline" loads "off" instead: the same computation, which the compiler sees through.
     """
+    from picompile.artifact import read_manifest
     from picompile.runtime.hybrid import check_mode
-    from picompile.runtime.loader import load_artifact
+    from picompile.runtime.loader import load_graph
 
     check_mode(hybrid)  # a bad mode fails before anything is read
     if compile:
-        from picompile.runtime.compile import check_compiler, transparent_mode
+        from picompile.runtime.compile import check_compiler
 
         check_compiler()
-        hybrid = transparent_mode(path, hybrid)
-    root, manifest, graph = load_artifact(path, verify=verify, dense=dense, hybrid=hybrid)
+    root = Path(path)
+    manifest = read_manifest(root, verify=verify)
+    if compile:
+        from picompile.runtime.compile import transparent_mode
+        from picompile.targets import Target
+
+        hybrid = transparent_mode(hybrid, Target.from_json(manifest.target).has_gpu)
+    graph = load_graph(root, manifest, dense=dense, hybrid=hybrid, direct=True)
     step_fn = None
     if compile:
         from picompile.runtime.compile import compile_step

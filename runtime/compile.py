@@ -16,8 +16,6 @@ on-disk cache holds them). Needs a C++ compiler at load time, as inductor does.
 from __future__ import annotations
 
 import copy
-import functools
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -26,7 +24,7 @@ from torch import Tensor, fx
 from picompile.errors import InputError, PicompileError
 from picompile.graph import get_tensor
 from picompile.ops import DirectCall, is_picompile_op
-from picompile.runtime.hybrid import PART_OPS
+from picompile.runtime.hybrid import PART_OPS, HybridFFN, resolve_mode
 
 StepFn = Callable[..., tuple[Tensor, ...]]  # (ids [1, seq], *past) -> (logits, *presents)
 
@@ -35,7 +33,6 @@ def _opaque(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` as a call torch.compile runs eagerly (a graph break), keeping fx's name for it."""
 
     @torch._dynamo.disable  # type: ignore[misc]
-    @functools.wraps(fn)
     def call(*args: Any) -> Any:
         return fn(*args)
 
@@ -43,18 +40,11 @@ def _opaque(fn: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-def transparent_mode(path: str | Path, hybrid: str) -> str:
+def transparent_mode(hybrid: str, target_has_gpu: bool) -> str:
     """The hybrid mode to compile: "auto" that would resolve to "inline" becomes "off" — the graph as built
     computes the same (hot, then cold, then merge) and the compiler sees through it, where an inline
     scheduler is an opaque call. Other modes stay as asked."""
-    from picompile.artifact import read_manifest
-    from picompile.runtime.hybrid import resolve_mode
-    from picompile.targets import Target
-
-    if hybrid != "auto":
-        return hybrid
-    target = read_manifest(Path(path), verify=False).target  # a bad path fails here as it would in load
-    return "off" if resolve_mode(hybrid, Target.from_json(target).has_gpu) == "inline" else hybrid
+    return "off" if hybrid == "auto" and resolve_mode(hybrid, target_has_gpu) == "inline" else hybrid
 
 
 def check_compiler() -> None:
@@ -66,7 +56,7 @@ def check_compiler() -> None:
                          "none was found (load without compile)")
 
 
-def _inline_trivial(gm: fx.GraphModule, graph: fx.Graph, node: fx.Node) -> bool:
+def _inline_trivial(gm: fx.GraphModule, graph: fx.Graph, node: fx.Node) -> None:
     """Rewrite ``node`` into aten ops inductor can fuse when it is trivial: ``merge(hot, cold, b, layer)`` is
     ``hot + cold (+ b)``, and an FFN part with no rows (every neuron on the other device) is zeros — so an
     empty hot part and its merge fold away instead of costing two opaque calls per layer."""
@@ -80,19 +70,16 @@ def _inline_trivial(gm: fx.GraphModule, graph: fx.Graph, node: fx.Node) -> bool:
         with graph.inserting_before(node):
             out = graph.call_function(torch.ops.aten.zeros_like.default, (node.args[0],))
     else:
-        return False
+        return
     out.meta.update(node.meta)
     node.replace_all_uses_with(out)
     graph.erase_node(node)
-    return True
 
 
 def _opaque_copy(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of ``gm`` sharing its weights, where picompile ops are their torch op overloads again
     (inductor calls them through their fake implementations' shapes, where a ``DirectCall`` would be
     traced into), trivial ones are aten ops (``_inline_trivial``) and hybrid schedulers are opaque calls."""
-    from picompile.runtime.hybrid import HybridFFN
-
     graph = copy.deepcopy(gm.graph)
     for node in list(graph.nodes):
         if node.op != "call_function":
@@ -124,9 +111,9 @@ def compile_step(gm: fx.GraphModule) -> StepFn:
         try:
             out = (decode if ids.shape[-1] == 1 else prefill)(ids, *past)
         except torch._dynamo.exc.BackendCompilerFailed as e:  # inductor could not build the step
-            raise PicompileError(f"torch.compile could not compile this artifact's step ({type(e.inner_exception).__name__}: "
-                                 f"{str(e.inner_exception).splitlines()[0] if str(e.inner_exception) else ''}); "
-                                 "load it without compile") from e
+            why = (str(e.inner_exception).splitlines() or [""])[0]
+            raise PicompileError(f"torch.compile could not compile this artifact's step "
+                                 f"({type(e.inner_exception).__name__}: {why}); load it without compile") from e
         # inductor may return a present as a strided view (prefill: cat with the empty past elided); the
         # next step's graph is guarded on strides, so every present is handed on contiguous
         return tuple(o if o.is_contiguous() else o.contiguous() for o in out)

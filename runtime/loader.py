@@ -9,7 +9,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import fx
 
-from picompile.artifact import Manifest, read_manifest
+from picompile.artifact import Manifest
 from picompile.errors import ArtifactError
 from picompile.graph import drop_metadata_asserts, flatten_codegen, placeholders
 from picompile.ops import call_directly  # importing picompile.ops registers the ops the graph calls
@@ -128,10 +128,3 @@ def load_kernels(root: Path, entries: list[dict[str, Any]]) -> None:
             KERNEL_TABLE[entry["key"]] = load_kernel(root / entry["file"], spec)
         except Exception as e:
             raise ArtifactError(f"cannot load kernel {entry['file']} of {root}: {type(e).__name__}: {e}") from None
-
-
-def load_artifact(root: str | Path, verify: bool = True, dense: bool = False,
-                  hybrid: str = "off") -> tuple[Path, Manifest, fx.GraphModule]:
-    root = Path(root)
-    manifest = read_manifest(root, verify=verify)
-    return root, manifest, load_graph(root, manifest, dense=dense, hybrid=hybrid, direct=True)

@@ -20,7 +20,6 @@ class Session:
         self.manifest = manifest
         self.graph = graph  # the graph as loaded (inspect it, interpret it)
         self.step_fn = step_fn or graph  # what ``step`` calls: the graph, or its compiled form (load(compile=True))
-        self.compiled: bool = step_fn is not None
         self.tokenizer = tokenizer
         model = manifest.model
         self.vocab_size: int = int(model["vocab_size"])
@@ -31,6 +30,11 @@ class Session:
         eos = tokenizer.eos_id if tokenizer is not None and tokenizer.eos_id is not None else model["config"].get("eos_token_id")
         self.eos_id: int | None = eos[0] if isinstance(eos, list) else eos
         self.last_logits: Tensor | None = None  # [n_generated, vocab]: what each generated token was chosen from
+
+    @property
+    def compiled(self) -> bool:
+        """Whether ``step`` runs the graph's torch.compile'd form (``load(compile=True)``)."""
+        return self.step_fn is not self.graph
 
     @property
     def hybrid_mode(self) -> str:
