@@ -121,6 +121,13 @@ def _compile_cpu(spec: KernelSpec, out: Path) -> dict[str, Any]:
     from .compute import describe, describe_partitioned
 
     key = spec.key()
+    if spec.kind == "predict":  # one token only: several tokens take the torch reference (ops.predict)
+        from .compute import describe_predict
+
+        desc = describe_predict(spec)
+        func = cpu.as_named(cpu.schedule(desc, spec), key)
+        tvm.compile(tvm.IRModule({key: func}), target=cpu.host_target()).export_library(str(out))
+        return {"batched": False, "arg_names": desc.arg_names, "functions": [key]}
     funcs = {}
     for batched in (False, True):
         if spec.kind in ("ffn_relu", "ffn_gated"):

@@ -41,6 +41,8 @@ class KernelDesc:
 
 def arg_names(spec: KernelSpec) -> list[str]:
     """PrimFunc argument order for a spec (``None``-able Python arguments are simply absent)."""
+    if spec.kind == "predict":
+        return ["x", "fc1", "fc2", *(["offset"] if spec.has_bias else []), "thr", "mask"]
     names: list[str] = []
     if spec.has_up:
         names += ["x", "w_up"]
@@ -194,3 +196,30 @@ def describe_partitioned(spec: KernelSpec, partitions: int, batched: bool = Fals
     names = arg_names(spec)
     func = te.create_prim_func([tensors[nm] for nm in names[:-1]] + [y])
     return KernelDesc(func=func, arg_names=names, batched=batched, partitions=P)
+
+
+def describe_predict(spec: KernelSpec) -> KernelDesc:
+    """Kind ``predict`` (one token): ``a = act(fc1 x)`` ``[rank]``, ``s = fc2 a (+ offset)`` ``[n_rows]``,
+    ``mask = s > thr[0]`` (int8). Blocks: ``up``/``h`` (fc1, then the activation), ``score``/``mask``."""
+    if spec.kind != "predict":
+        raise ValueError(f"describe_predict is for kind 'predict', not {spec.kind!r}")
+    d, n, rank, wdt, f32 = spec.d_model, spec.n_rows, spec.rank, spec.weight_dtype, "float32"
+    x = te.placeholder((d,), f32, name="x")  # [d_model]
+    fc1 = te.placeholder((rank, d), wdt, name="fc1")  # [rank, d_model]
+    fc2 = te.placeholder((n, rank), wdt, name="fc2")  # [n_rows, rank]
+    thr = te.placeholder((1,), f32, name="thr")  # [1]
+    tensors: dict[str, te.Tensor] = {"x": x, "fc1": fc1, "fc2": fc2, "thr": thr}
+    r = te.reduce_axis((0, d), name="r")
+    up = te.compute((rank,), lambda i: te.sum(fc1[i, r].astype(f32) * x[r], axis=r), name="up")  # [rank]
+    h = te.compute((rank,), lambda i: _activation(spec.act, up[i]), name="h")  # [rank]
+    q = te.reduce_axis((0, rank), name="q")
+    score = te.compute((n,), lambda j: te.sum(fc2[j, q].astype(f32) * h[q], axis=q), name="score")  # [n_rows]
+    if spec.has_bias:
+        offset = te.placeholder((n,), f32, name="offset")  # [n_rows]
+        tensors["offset"] = offset
+        mask = te.compute((n,), lambda j: (score[j] + offset[j] > thr[0]).astype("int8"), name="mask")
+    else:
+        mask = te.compute((n,), lambda j: (score[j] > thr[0]).astype("int8"), name="mask")  # [n_rows]
+    names = arg_names(spec)
+    func = te.create_prim_func([tensors[nm] for nm in names[:-1]] + [mask])
+    return KernelDesc(func=func, arg_names=names, batched=False)

@@ -325,10 +325,46 @@ def _schedule_partitioned(sch: s_tir.Schedule, spec: KernelSpec, p: CpuScheduleP
     return plan
 
 
+def _schedule_predict(sch: s_tir.Schedule, spec: KernelSpec) -> None:
+    """Kind ``predict``: two parallel regions in one call, each a dense GEMV scheduled like ``_schedule_up``
+    (parallel over rows; per row a vectorised rfactor-ed dot product with a halving lane-sum tree), fc1
+    over its ``rank`` rows then fc2 over its ``n_rows`` rows; the activation and the threshold test are
+    computed per row where its dot product ends (no prefetch: the rows are read in order)."""
+    stages = (("up", "h", spec.d_model), ("score", "mask", spec.rank))
+    trees = {}
+    for dot, _, length in stages:  # every rfactor at the root, before any compute_at (see _schedule_up)
+        lanes = _largest_divisor(length, (64, 32, 16, 8, 4, 2))
+        if lanes > 1:
+            trees[dot] = _rfactor_tree(sch, dot, lanes)
+    for dot, out, _ in stages:
+        (row,) = sch.get_loops(sch.get_sblock(out))
+        blk = sch.get_sblock(dot)
+        sch.compute_at(blk, row)
+        if dot in trees:
+            _place_tree_levels(sch, trees[dot], row, 1)
+            rf = trees[dot][0]
+            sch.compute_at(rf, row)
+            lane, *r_out = sch.get_loops(rf)[1:]  # [lane, r_out], or [lane] when the length is the lane count
+            if r_out:
+                sch.reorder(r_out[0], lane)
+            sch.vectorize(lane)
+            sch.set_scope(rf, 0, "global")  # stack, not a per-row workspace call (module doc)
+            sch.unroll(sch.get_loops(blk)[1])
+        sch.parallel(row)
+    for dot in trees:  # init statements only after parallel() (see _schedule_up)
+        for rf in trees[dot]:
+            below = sch.get_loops(rf)[1:]
+            if len(below) == 2:
+                sch.decompose_reduction(rf, below[0])
+
+
 def schedule(desc: KernelDesc, spec: KernelSpec, params: CpuScheduleParams | None = None) -> tvm.IRModule:
     """Apply the CPU schedule to an unscheduled description; returns the scheduled IRModule."""
     p = params or default_params(spec)
     sch = s_tir.Schedule(desc.func)
+    if spec.kind == "predict":
+        _schedule_predict(sch, spec)
+        return sch.mod
     plan = []
     if desc.partitions is not None:
         plan = _schedule_partitioned(sch, spec, p, desc.batched)

@@ -225,6 +225,10 @@ def _signature(spec: KernelSpec, batched: bool) -> list[_Arg]:
     """Argument list of the compiled function (PrimFunc order), with dtypes and symbolic shapes."""
     d, n = spec.d_model, spec.n_rows
     w = _TORCH_DTYPES[spec.weight_dtype]
+    if spec.kind == "predict":  # one token only (no batched variant)
+        return [_Arg("x", torch.float32, (d,)), _Arg("fc1", w, (spec.rank, d)), _Arg("fc2", w, (n, spec.rank)),
+                *([_Arg("offset", torch.float32, (n,))] if spec.has_bias else []),
+                _Arg("thr", torch.float32, (1,)), _Arg("mask", torch.int8, (n,))]
     tok: tuple[str, ...] = ("t",) if batched else ()
     args: list[_Arg] = []
     if spec.has_up:
@@ -253,6 +257,7 @@ CALL_ARGS: dict[str, tuple[str, ...]] = {
     "up": ("x", "w_up", "w_gate", "b_up", "idx", "h"),
     "up_gated": ("x", "w_up", "w_gate", "b_up", "idx", "h"),
     "down": ("h", "w_down_t", "idx", "y"),
+    "predict": ("x", "fc1", "fc2", "offset", "thr", "mask"),
 }
 
 
@@ -266,6 +271,7 @@ class SparseKernel:
         ffn_relu / ffn_gated:  k(x, w_up, w_gate, b_up, w_down_t, idx, y)
         up / up_gated:         k(x, w_up, w_gate, b_up, idx, h)
         down:                  k(h, w_down_t, idx, y)
+        predict:               k(x, fc1, fc2, offset, thr, mask)   (offset None unless has_bias)
 
     Shapes: ``x`` ``[d_model]`` float32 (or ``[t, d_model]`` for the batched variant: one ``idx``
     for all t tokens), ``w_*`` ``[n_rows, d_model]`` and ``b_up`` ``[n_rows]`` in ``weight_dtype``,
@@ -313,12 +319,12 @@ class SparseKernel:
         expected = {a.name for a in self._sigs[False]}
         for name, value in named.items():
             if name not in expected and value is not None:
-                why = "not gated" if name == "w_gate" else "has_bias=False"
+                why = "not gated" if name == "w_gate" else "has_bias=False"  # b_up, or a predictor's offset
                 raise KernelArgumentError(f"{name} must be None for this kernel ({why})")
         return named
 
     def _is_batched(self, named: dict[str, torch.Tensor | None]) -> bool:
-        first = named["x"] if self.spec.has_up else named["h"]
+        first = named["h"] if self.spec.kind == "down" else named["x"]
         return isinstance(first, torch.Tensor) and first.dim() == 2
 
     def _check(self, named: dict[str, torch.Tensor | None], batched: bool) -> list[torch.Tensor]:
@@ -356,7 +362,7 @@ class SparseKernel:
         return ordered
 
     def _launch(self, ordered: list[torch.Tensor], batched: bool) -> None:
-        if ordered[-2].numel() == 0:  # ordered[-2] is idx: k = 0, no active row
+        if self.spec.kind != "predict" and ordered[-2].numel() == 0:  # ordered[-2] is idx: k = 0, no active row
             # y = 0 and h is empty. The compiled functions handle k = 0 themselves (one code path for
             # every k), but TVM rejects the strides torch gives an empty [t, 0] tensor and a CUDA grid
             # of 0 blocks is an invalid launch, so the trivial result is written here.

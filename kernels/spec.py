@@ -15,6 +15,11 @@ Operator contract (PowerInfer's, decode = one token), weights neuron-major:
 
 Weights (``b_up`` included) are stored in ``weight_dtype``; ``x``, ``h`` and ``y`` are always float32
 and all accumulation is in float32. ``b_down`` is added by the caller, never by the kernel.
+
+Kind ``predict`` (CPU only) is a whole activation predictor in one call, for one token:
+``fc1`` ``[rank, d_model]``, ``fc2`` ``[n_rows, rank]`` (``weight_dtype``), optional ``offset`` ``[n_rows]``
+float32 (``has_bias``), ``thr`` float32 ``[1]``; it writes the int8 mask
+``mask[j] = fc2[j] . act(fc1 x) + offset[j] > thr[0]``.
 """
 from __future__ import annotations
 
@@ -24,11 +29,11 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-KernelKind = Literal["ffn_relu", "ffn_gated", "up", "up_gated", "down"]
+KernelKind = Literal["ffn_relu", "ffn_gated", "up", "up_gated", "down", "predict"]
 Activation = Literal["relu", "silu", "none"]
 WeightDType = Literal["float32", "float16"]
 
-KINDS: tuple[str, ...] = ("ffn_relu", "ffn_gated", "up", "up_gated", "down")
+KINDS: tuple[str, ...] = ("ffn_relu", "ffn_gated", "up", "up_gated", "down", "predict")
 ACTS: tuple[str, ...] = ("relu", "silu", "none")
 WEIGHT_DTYPES: tuple[str, ...] = ("float32", "float16")
 CUDA_ARCHS: tuple[str, ...] = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90")
@@ -49,7 +54,9 @@ class KernelSpec:
     """One compiled kernel: operator kind, activation, shapes, weight dtype, bias and target.
 
     ``kind``: ``ffn_relu`` (up -> act -> down, fused), ``ffn_gated`` (act(gate) * up -> down, fused),
-    ``up`` / ``up_gated`` (only the sparse up/gate part, writes ``h[k]``), ``down`` (row-axpy, writes ``y[d]``).
+    ``up`` / ``up_gated`` (only the sparse up/gate part, writes ``h[k]``), ``down`` (row-axpy, writes ``y[d]``),
+    ``predict`` (an activation predictor: ``fc2 act(fc1 x) + offset > thr``, writes ``mask[n_rows]``; ``rank``
+    is fc1's row count, 0 for every other kind).
     ``target``: ``"llvm"`` (the host CPU; the exact CPU is named when compiling) or ``"cuda:sm_89"`` etc.
     """
 
@@ -60,6 +67,7 @@ class KernelSpec:
     weight_dtype: WeightDType
     has_bias: bool
     target: str
+    rank: int = 0  # kind "predict" only: the predictor's hidden width
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -82,6 +90,17 @@ class KernelSpec:
             raise KernelSpecError(f"has_bias must be a bool, got {self.has_bias!r}")
         if not isinstance(self.target, str) or not _TARGET_RE.match(self.target):
             raise KernelSpecError(f"target must be 'llvm' or 'cuda:sm_XX', got {self.target!r}")
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 0:
+            raise KernelSpecError(f"rank must be an int >= 0, got {self.rank!r}")
+        if self.kind == "predict":
+            if self.rank == 0:
+                raise KernelSpecError("kind 'predict' needs rank > 0 (fc1's row count)")
+            if self.is_cuda:
+                raise KernelSpecError("kind 'predict' has a CPU (llvm) schedule only")
+            if self.act not in ("relu", "none"):
+                raise KernelSpecError(f"kind 'predict' applies relu or none between fc1 and fc2, not {self.act!r}")
+        elif self.rank:
+            raise KernelSpecError(f"rank is for kind 'predict' only, got rank={self.rank} for {self.kind!r}")
 
     # -- derived facts ---------------------------------------------------------------------------
     @property
@@ -99,7 +118,7 @@ class KernelSpec:
 
     @property
     def has_up(self) -> bool:
-        return self.kind != "down"
+        return self.kind not in ("down", "predict")
 
     @property
     def has_down(self) -> bool:
@@ -112,12 +131,16 @@ class KernelSpec:
         machine and dict order. The host CPU model is *not* part of it: the cache directory belongs to
         one machine (``build_kernel`` records the CPU it compiled for and rebuilds on a mismatch).
         """
-        payload = json.dumps({"abi": KERNEL_ABI_VERSION, **asdict(self)}, sort_keys=True)
+        payload = json.dumps({"abi": KERNEL_ABI_VERSION, **self.to_json()}, sort_keys=True)
         digest = hashlib.sha256(payload.encode()).hexdigest()[:20]
         return f"pi_{self.kind}_{digest}"
 
     def to_json(self) -> dict[str, object]:
-        return asdict(self)
+        """The fields; ``rank`` only where it is set, so specs written before it existed keep their keys."""
+        data = asdict(self)
+        if not self.rank:
+            del data["rank"]
+        return data
 
     @staticmethod
     def from_json(data: dict[str, object]) -> "KernelSpec":

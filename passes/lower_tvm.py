@@ -1,7 +1,8 @@
 """lower-tvm: sparse_ffn(x, rows…, mask, part, device) → tvm_sparse_ffn(…, kernel=KEY, gpu_kernel=KEY)
 calling TVM-generated kernels: an llvm kernel for every part (the CPU, and the GPU partition's
 fallback on a machine without one) and a CUDA kernel for the hot part when the target has a GPU;
-float16 weights (convert-weights) also: linear → tvm_linear, predict → tvm_predict (llvm GEMV kernels).
+float16 weights (convert-weights) also: linear → tvm_linear (an llvm GEMV kernel), predict → tvm_predict
+(one llvm kernel for the whole predictor: fc1, act, fc2, offset, threshold).
 Compiled libraries go to the artifact's kernels/ and are listed in the manifest.
 """
 from __future__ import annotations
@@ -36,7 +37,7 @@ def _build(ctx: BuildContext, spec: Any, entries: dict[str, dict[str, Any]], use
         meta = path.with_suffix(".json")
         shutil.copyfile(meta, dest / meta.name)  # … and its build metadata, which the loader checks
         entries[key] = {"key": key, "file": f"{KERNEL_DIR}/{path.name}", "meta": f"{KERNEL_DIR}/{meta.name}",
-                        "spec": spec.__dict__.copy(), "uses": []}
+                        "spec": spec.to_json(), "uses": []}
     entries[key]["uses"].append(use)
     return key
 
@@ -58,6 +59,15 @@ def _gemv_spec(w: torch.Tensor, act: str) -> Any:
                       weight_dtype=str(w.dtype).removeprefix("torch."), has_bias=False, target="llvm")
 
 
+def _predict_spec(fc1: torch.Tensor, fc2: torch.Tensor, act: str, has_offset: bool) -> Any:
+    """Kind ``predict``: the whole predictor (fc1 [rank, d], act, fc2 [n, rank], offset, threshold) in one kernel."""
+    from picompile.kernels import KernelSpec
+
+    return KernelSpec(kind="predict", act=act, d_model=int(fc1.shape[1]), n_rows=int(fc2.shape[0]),
+                      weight_dtype=str(fc1.dtype).removeprefix("torch."), has_bias=has_offset, target="llvm",
+                      rank=int(fc1.shape[0]))
+
+
 def _lower_gemvs(gm: fx.GraphModule, ctx: BuildContext, entries: dict[str, dict[str, Any]]) -> None:
     """linear → tvm_linear; predict with float16 weights → tvm_predict (float32 ones stay: torch's
     float32 GEMV is faster than the kernel, its float16 one is compute-bound)."""
@@ -70,9 +80,9 @@ def _lower_gemvs(gm: fx.GraphModule, ctx: BuildContext, entries: dict[str, dict[
             op, args = torch.ops.picompile.tvm_linear.default, (x, w, b, key)
         else:
             x, fc1, fc2, threshold, layer, act, offset = (*node.args, "relu", None)[:7]  # older graphs: 5 args
-            k1 = _build(ctx, _gemv_spec(get_tensor(gm, fc1), str(act)), entries, f"layer{layer}.predictor.fc1")
-            k2 = _build(ctx, _gemv_spec(get_tensor(gm, fc2), "none"), entries, f"layer{layer}.predictor.fc2")
-            op, args = torch.ops.picompile.tvm_predict.default, (x, fc1, fc2, threshold, layer, k1, k2, act, offset)
+            key = _build(ctx, _predict_spec(get_tensor(gm, fc1), get_tensor(gm, fc2), str(act), offset is not None),
+                         entries, f"layer{layer}.predictor")
+            op, args = torch.ops.picompile.tvm_predict.default, (x, fc1, fc2, threshold, layer, key, "", act, offset)
         _replace(gm, node, op, args)
 
 

@@ -217,6 +217,16 @@ KERNEL_TABLE: dict[str, object] = {}
 _ALL_ROWS: dict[int, Tensor] = {}
 
 
+_THRESHOLDS: dict[float, Tensor] = {}
+
+
+def _threshold(value: float) -> Tensor:
+    """A predictor threshold as the float32 [1] tensor its kernel reads (one per value, made once)."""
+    if value not in _THRESHOLDS:
+        _THRESHOLDS[value] = torch.tensor([value], dtype=torch.float32)
+    return _THRESHOLDS[value]
+
+
 def _all_rows(n: int) -> Tensor:
     if n not in _ALL_ROWS:
         _ALL_ROWS[n] = torch.arange(n, dtype=torch.int32)
@@ -330,14 +340,24 @@ def tvm_predict(
     fc2: Tensor,  # [n_neurons, rank]
     threshold: float,
     layer: int,
-    kernel1: str,  # llvm kernel: act(fc1 x) (kind "up", act as ``act``)
-    kernel2: str,  # llvm kernel: fc2 h (kind "up", act "none")
+    kernel1: str,  # llvm kernel: the whole predictor (kind "predict"), or act(fc1 x) (kind "up") when kernel2 is set
+    kernel2: str,  # "" (kernel1 is the whole predictor), or fc2 h (kind "up", act "none": artifacts built before it)
     act: str = "relu",
     offset: Optional[Tensor] = None,  # [n_neurons] float32
 ) -> Tensor:
-    """``predict`` lowered to two TVM GEMVs for one token; several tokens take ``predict``."""
+    """``predict`` lowered to TVM for one token: one kernel call (fc1, act, fc2, offset and the threshold
+    test), or two GEMVs and the test in torch; several tokens take ``predict``."""
     if x.numel() != x.shape[-1]:
         return predict(x, fc1, fc2, threshold, layer, act, offset)
+    if not kernel2:
+        kern = KERNEL_TABLE.get(kernel1)
+        if kern is None:
+            raise RuntimeError(f"TVM kernel {kernel1} (layer {layer} predictor) is not loaded")
+        from picompile.kernels import as_aligned
+
+        mask = torch.empty(fc2.shape[0], dtype=torch.int8)  # [n_neurons], written 0/1
+        kern.unchecked(as_aligned(x.reshape(-1)), fc1, fc2, offset, _threshold(threshold), mask)  # type: ignore[attr-defined]
+        return mask.view(torch.bool).reshape(*x.shape[:-1], fc2.shape[0])
     h = _gemv(kernel1, x, fc1, f"layer {layer} predictor fc1")  # [rank]
     scores = _gemv(kernel2, h, fc2, f"layer {layer} predictor fc2")  # [n_neurons]
     if offset is not None:

@@ -84,6 +84,9 @@ def test_float16_artifact(predictor: str, checkpoints: dict, tmp_path: Path) -> 
     if predictor == "trained":
         preds = [n for n in session.graph.graph.nodes if n.op == "call_function" and is_picompile_op(n.target, "tvm_predict")]
         assert len(preds) == 2 and all(n.args[7] == "none" and n.args[8] is not None for n in preds)  # linear, offset
+        # one kernel per predictor (kind "predict": fc1, fc2, offset and the threshold test in one call)
+        assert all(n.args[6] == "" and n.args[5].startswith("pi_predict_") for n in preds)
+        assert ("predict", "none", "float16") in kinds
     with safe_open(str(out16 / "weights.safetensors"), "pt") as f:
         dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
     assert "F16" in dtypes

@@ -207,6 +207,30 @@ def test_cpu_dense_gemv_matches_torch(wdt: str, d: int, n: int, cache_dir: Path)
         assert err < 1e-5, f"{wdt} d={d} n={n} t={tok}: relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("act, has_offset, d, n, rank", [("none", True, 2048, 700, 128), ("relu", False, 192, 130, 24)])
+def test_cpu_predict_kernel_matches_torch(act: str, has_offset: bool, d: int, n: int, rank: int, cache_dir: Path) -> None:
+    """Kind ``predict``: fc1, act, fc2, offset and the threshold test in one call give the mask torch computes
+    (up to scores within float32 rounding of the threshold)."""
+    spec = KernelSpec("predict", act, d, n, "float16", has_offset, "llvm", rank=rank)
+    kern = _kernel(spec, cache_dir)
+    gen = torch.Generator().manual_seed(n)
+    fc1 = as_aligned((torch.randn(rank, d, generator=gen) / d**0.5).half())  # [rank, d]
+    fc2 = as_aligned((torch.randn(n, rank, generator=gen) / rank**0.5).half())  # [n, rank]
+    offset = as_aligned(torch.randn(n, generator=gen)) if has_offset else None  # [n]
+    for threshold in (-0.2, 0.0, 0.4):
+        x = as_aligned(torch.randn(d, generator=gen))  # [d]
+        mask = torch.full((n,), 7, dtype=torch.int8)  # every entry must be overwritten with 0 or 1
+        kern(x, fc1, fc2, offset, torch.tensor([threshold]), mask)
+        h = fc1.double() @ x.double()  # [rank]
+        scores = fc2.double() @ (h.relu() if act == "relu" else h) + (0 if offset is None else offset.double())
+        ref = scores > threshold
+        assert set(mask.unique().tolist()) <= {0, 1} and 0 < int(ref.sum()) < n
+        decided = (scores - threshold).abs() > 1e-4 * scores.abs().max()
+        assert torch.equal(mask.bool()[decided], ref[decided])
+    with pytest.raises(KernelArgumentError):  # the offset is part of the spec: has_bias
+        kern(x, fc1, fc2, None if has_offset else torch.zeros(n), torch.tensor([0.0]), mask)
+
+
 @pytest.mark.parametrize("kind", ["up", "up_gated", "ffn_relu", "ffn_gated"])
 @pytest.mark.parametrize("batched", [False, True])
 def test_cpu_schedule_streams_rows(kind: str, batched: bool) -> None:
@@ -255,6 +279,9 @@ def test_spec_key_is_stable_and_validated() -> None:
         KernelSpec("ffn_gated", "relu", 4096, 16384, "float16", True, "llvm"),
     ]
     assert len({a.key(), *(o.key() for o in others)}) == 5
+    assert "rank" not in a.to_json()  # specs of the other kinds keep the keys they had before "predict"
+    p = KernelSpec("predict", "none", 4096, 16384, "float16", True, "llvm", rank=64)
+    assert p.key().startswith("pi_predict_") and KernelSpec.from_json(p.to_json()) == p
     # computed in another process: no dependence on hash seeds or dict order
     code = (
         "from picompile.kernels import KernelSpec; "
@@ -271,6 +298,10 @@ def test_spec_key_is_stable_and_validated() -> None:
         dict(weight_dtype="bfloat16"),
         dict(target="cuda"),
         dict(target="rocm:gfx90a"),
+        dict(rank=8),  # rank is for kind "predict" only
+        dict(kind="predict", act="none"),  # … which needs it
+        dict(kind="predict", act="silu", rank=8),
+        dict(kind="predict", act="none", rank=8, target="cuda:sm_89"),
     ]:
         fields = dict(
             kind="ffn_relu", act="relu", d_model=64, n_rows=96, weight_dtype="float32", has_bias=False, target="llvm"

@@ -1,0 +1,210 @@
+"""How fast could this artifact's decode step be with its kernels? The step against its kernels alone.
+
+    python benchmarks/replay.py ART [--compile] [--prompt-len 64] [--steps 8] [--rounds 7]
+
+Records every TVM kernel call of ``--steps`` real decode steps (q/k/v, o, the predictors, the sparse FFN
+parts, lm_head; with their real inputs and active-row lists), then, in each of ``--rounds`` interleaved
+rounds, times the same decode steps run by the session and the recorded kernel calls replayed back to
+back from Python with nothing between them: no glue (norms, rotary, attention, residual adds), no op
+dispatch, no mask-to-row-list conversion. The replay is the floor that runtime work (fusing the glue,
+fewer or cheaper calls) can reach with these kernels; step minus replay is what everything else costs.
+Each kernel's weights are read from DRAM in the replay as in the step (a step's weights are far larger
+than the caches). Medians; the copy bandwidth is measured in the same rounds. Not a test.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP: see picompile/__init__.py
+
+import argparse
+import statistics
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import picompile
+from picompile.bench import copy_bandwidth
+from picompile.kernels.loader import CALL_ARGS
+from picompile.ops import KERNEL_TABLE
+
+
+Call = tuple[Any, tuple[Any, ...]]  # (loaded kernel, its arguments)
+
+
+@dataclass
+class Recorder:
+    """Stands in for a loaded kernel: appends each ``unchecked`` call to the shared ``log`` while
+    ``log`` is on, then runs it."""
+
+    kernel: Any
+    log: "Log"
+
+    def unchecked(self, *args: Any) -> None:
+        if self.log.on:
+            self.log.calls.append((self.kernel, args))
+        if self.log.timing:
+            t0 = time.perf_counter()
+            self.kernel.unchecked(*args)
+            dt = time.perf_counter() - t0
+            self.log.seconds += dt
+            self.log.by_group[group(self.kernel)] = self.log.by_group.get(group(self.kernel), 0.0) + dt
+        else:
+            self.kernel.unchecked(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.kernel, name)
+
+
+@dataclass
+class Log:
+    calls: list[Call] = field(default_factory=list)  # in the order they ran
+    on: bool = False
+    timing: bool = False  # add each call's time to ``seconds`` and to its group's in ``by_group``
+    seconds: float = 0.0
+    by_group: dict[str, float] = field(default_factory=dict)
+
+
+def group(kernel: Any) -> str:
+    """A kernel's group in the report: its kind and weight shape, e.g. ``up 2560x2048`` (a GEMV)."""
+    spec = kernel.spec
+    return f"{spec.kind} {spec.n_rows}x{spec.d_model}"
+
+
+def weight_bytes(kernel: Any, args: tuple[Any, ...]) -> int:
+    """Weight bytes one call reads: the selected rows of each weight matrix it takes (bias and x aside)."""
+    spec = kernel.spec
+    named = dict(zip(CALL_ARGS[spec.kind], args))
+    if spec.kind == "predict":  # every row of fc1 and fc2
+        return sum(named[n].numel() * named[n].element_size() for n in ("fc1", "fc2"))
+    names = {"ffn_relu": ("w_up", "w_gate", "w_down_t"), "ffn_gated": ("w_up", "w_gate", "w_down_t"),
+             "up": ("w_up", "w_gate"), "up_gated": ("w_up", "w_gate"), "down": ("w_down_t",)}[spec.kind]
+    k = int(named["idx"].numel())
+    return sum(k * t.shape[1] * t.element_size() for n in names if (t := named.get(n)) is not None)
+
+
+@contextmanager
+def recording(log: Log) -> Iterator[None]:
+    """Route every loaded kernel through a ``Recorder`` on ``log``; the table is restored on exit."""
+    saved = dict(KERNEL_TABLE)
+    KERNEL_TABLE.update({key: Recorder(kern, log) for key, kern in saved.items()})
+    try:
+        yield
+    finally:
+        KERNEL_TABLE.clear()
+        KERNEL_TABLE.update(saved)
+
+
+def measure(session: picompile.Session, prompt_len: int = 64, steps: int = 8, rounds: int = 7) -> dict[str, Any]:
+    """Record ``steps`` greedy decode steps' kernel calls, then time in interleaved rounds: the steps, the
+    calls replayed back to back, and the steps with each call timed. Seconds per step, medians."""
+    log = Log()
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, session.vocab_size, (1, prompt_len), generator=gen)
+    logits, past0 = session.step(prompt, session.empty_past())
+    first = int(logits[-1].argmax())
+
+    def decode() -> None:
+        tok, past = first, past0
+        for _ in range(steps):
+            logits, past = session.step(torch.tensor([[tok]]), past)
+            tok = int(logits[-1].argmax())
+
+    replay_groups: dict[str, list[float]] = {}
+
+    def replay(by_group: bool = False) -> None:
+        if not by_group:
+            for kern, a in log.calls:
+                kern.unchecked(*a)
+            return
+        spent: dict[str, float] = {}
+        for kern, a in log.calls:
+            t0 = time.perf_counter()
+            kern.unchecked(*a)
+            spent[group(kern)] = spent.get(group(kern), 0.0) + time.perf_counter() - t0
+        for g, sec in spent.items():
+            replay_groups.setdefault(g, []).append(sec / steps)
+
+    step_groups: dict[str, list[float]] = {}
+
+    with recording(log):
+        decode()  # warm-up (and the compile, for a compiled session)
+        log.on = True
+        decode()
+        log.on = False
+        if not log.calls:
+            raise SystemExit("no TVM kernel ran in a decode step: build the artifact with --weight-dtype float16 "
+                             "(float32 linear layers run in torch, and only the FFN parts would be counted)")
+        src, dst = torch.ones(64 << 20), torch.empty(64 << 20)  # 256 MiB, far beyond the caches
+        times: dict[str, list[float]] = {"step": [], "replay": [], "in_step": []}
+        bw: list[float] = []
+        for i in range(rounds):
+            for what in (("step", "replay", "in_step") if i % 2 == 0 else ("in_step", "replay", "step")):
+                if what == "in_step":  # a step with each kernel call timed: the kernels' share inside it
+                    log.timing, log.seconds, log.by_group = True, 0.0, {}
+                    decode()
+                    log.timing = False
+                    times["in_step"].append(log.seconds / steps)
+                    for g, sec in log.by_group.items():
+                        step_groups.setdefault(g, []).append(sec / steps)
+                    replay(by_group=True)  # the calls again, back to back, each timed
+                    continue
+                t0 = time.perf_counter()
+                decode() if what == "step" else replay()
+                times[what].append((time.perf_counter() - t0) / steps)
+            bw.append(copy_bandwidth(src, dst))
+    groups: dict[str, dict[str, float]] = {}
+    for kern, a in log.calls:
+        g = groups.setdefault(group(kern), {"calls": 0.0, "bytes": 0.0})
+        g["calls"] += 1 / steps
+        g["bytes"] += weight_bytes(kern, a) / steps
+    for g, row in groups.items():
+        row["in_step_s"] = statistics.median(step_groups[g])
+        row["replay_s"] = statistics.median(replay_groups[g])
+    return {
+        "calls_per_step": len(log.calls) / steps,
+        "bytes_per_step": sum(weight_bytes(k, a) for k, a in log.calls) / steps,
+        "groups": groups,
+        "calls": log.calls,
+        "rounds": times,
+        **{f"{k}_s": statistics.median(v) for k, v in times.items()},
+        "copy_gbps": statistics.median(bw) / 1e9,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("artifact")
+    ap.add_argument("--compile", action="store_true", help="load(compile=True): the step through torch.compile")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=8, help="decode steps recorded and timed per round")
+    ap.add_argument("--rounds", type=int, default=7)
+    args = ap.parse_args()
+
+    session = picompile.load(args.artifact, compile=args.compile)
+    r = measure(session, args.prompt_len, args.steps, args.rounds)
+    step, rep, inside, nbytes, gbps = r["step_s"], r["replay_s"], r["in_step_s"], r["bytes_per_step"], r["copy_gbps"]
+    print(f"{args.artifact}: {r['calls_per_step']:.0f} kernel calls per step, {nbytes / 1e9:.3f} GB of weights per step"
+          f"{' (compiled step)' if args.compile else ''}")
+    print(f"  decode step          {step * 1e3:7.1f} ms   {1 / step:6.2f} tok/s   {nbytes / step / 1e9:5.1f} GB/s")
+    print(f"  its kernels alone    {rep * 1e3:7.1f} ms   {1 / rep:6.2f} tok/s   {nbytes / rep / 1e9:5.1f} GB/s"
+          "   (replayed back to back)")
+    print(f"  the kernels in it    {inside * 1e3:7.1f} ms   (timed call by call inside a step: "
+          f"{(inside - rep) * 1e3:+.1f} ms against back to back)")
+    print(f"  everything else      {(step - inside) * 1e3:7.1f} ms   (glue, dispatch, mask handling: "
+          f"{100 * (step - inside) / step:.0f} % of the step)")
+    print(f"  copy bandwidth       {gbps:7.1f} GB/s (read + write; bound {gbps * 1e9 / nbytes:.2f} tok/s)")
+    print(f"  {'kernel (kind rows x d)':<26} {'calls':>6} {'MB':>8} {'in step ms':>11} {'GB/s':>6} {'replayed ms':>12} {'GB/s':>6}")
+    for g, row in sorted(r["groups"].items(), key=lambda kv: -kv[1]["in_step_s"]):
+        print(f"  {g:<26} {row['calls']:6.0f} {row['bytes'] / 1e6:8.1f} {row['in_step_s'] * 1e3:11.2f} "
+              f"{row['bytes'] / row['in_step_s'] / 1e9:6.1f} {row['replay_s'] * 1e3:12.2f} {row['bytes'] / row['replay_s'] / 1e9:6.1f}")
+    print("  rounds (ms, step / replayed / kernels in it): "
+          + ", ".join(f"{a * 1e3:.1f}/{b * 1e3:.1f}/{c * 1e3:.1f}" for a, b, c in zip(*r["rounds"].values())))
+
+
+if __name__ == "__main__":
+    main()
