@@ -70,9 +70,10 @@ class Log:
 
 
 def group(kernel: Any) -> str:
-    """A kernel's group in the report: its kind and weight shape, e.g. ``up 2560x2048`` (a GEMV)."""
+    """A kernel's group in the report: its kind and weight shape, e.g. ``up 2560x2048`` (a GEMV) or
+    ``predict 5632x2048 r128`` (n_rows x d_model, rank)."""
     spec = kernel.spec
-    return f"{spec.kind} {spec.n_rows}x{spec.d_model}"
+    return f"{spec.kind} {spec.n_rows}x{spec.d_model}" + (f" r{spec.rank}" if spec.rank else "")
 
 
 def weight_bytes(kernel: Any, args: tuple[Any, ...]) -> int:
