@@ -29,6 +29,7 @@ import torch
 
 import picompile
 from picompile.bench import copy_bandwidth
+from picompile.errors import PicompileError
 from picompile.kernels.loader import CALL_ARGS
 from picompile.ops import KERNEL_TABLE
 
@@ -186,7 +187,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
 
-    session = picompile.load(args.artifact, compile=args.compile)
+    try:
+        session = picompile.load(args.artifact, compile=args.compile)
+    except PicompileError as err:
+        raise SystemExit(f"error: {err}") from None
+    if session.manifest.weights.get("dtype") != "float16":
+        print(f"note: {args.artifact} has {session.manifest.weights.get('dtype')} weights: its linear layers run in "
+              "torch (only float16 ones are TVM GEMVs), so they count under 'everything else' below")
     r = measure(session, args.prompt_len, args.steps, args.rounds)
     step, rep, inside, nbytes, gbps = r["step_s"], r["replay_s"], r["in_step_s"], r["bytes_per_step"], r["copy_gbps"]
     print(f"{args.artifact}: {r['calls_per_step']:.0f} kernel calls per step, {nbytes / 1e9:.3f} GB of weights per step"
