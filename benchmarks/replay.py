@@ -53,7 +53,8 @@ class Recorder:
             self.kernel.unchecked(*args)
             dt = time.perf_counter() - t0
             self.log.seconds += dt
-            self.log.by_group[group(self.kernel)] = self.log.by_group.get(group(self.kernel), 0.0) + dt
+            g = group(self.kernel)
+            self.log.by_group[g] = self.log.by_group.get(g, 0.0) + dt
         else:
             self.kernel.unchecked(*args)
 
@@ -79,14 +80,11 @@ def group(kernel: Any) -> str:
 
 def weight_bytes(kernel: Any, args: tuple[Any, ...]) -> int:
     """Weight bytes one call reads: the selected rows of each weight matrix it takes (bias and x aside)."""
-    spec = kernel.spec
-    named = dict(zip(CALL_ARGS[spec.kind], args))
-    if spec.kind == "predict":  # every row of fc1 and fc2
+    named = dict(zip(CALL_ARGS[kernel.spec.kind], args))
+    if kernel.spec.kind == "predict":  # every row of fc1 and fc2
         return sum(named[n].numel() * named[n].element_size() for n in ("fc1", "fc2"))
-    names = {"ffn_relu": ("w_up", "w_gate", "w_down_t"), "ffn_gated": ("w_up", "w_gate", "w_down_t"),
-             "up": ("w_up", "w_gate"), "up_gated": ("w_up", "w_gate"), "down": ("w_down_t",)}[spec.kind]
-    k = int(named["idx"].numel())
-    return sum(k * t.shape[1] * t.element_size() for n in names if (t := named.get(n)) is not None)
+    k = int(named["idx"].numel())  # the other kinds read the selected rows of each w_* they take
+    return sum(k * t.shape[1] * t.element_size() for n, t in named.items() if n.startswith("w_") and t is not None)
 
 
 @contextmanager
@@ -169,7 +167,7 @@ def measure(session: picompile.Session, prompt_len: int = 64, steps: int = 8, ro
         row["replay_s"] = statistics.median(replay_groups[g])
     return {
         "calls_per_step": len(log.calls) / steps,
-        "bytes_per_step": sum(weight_bytes(k, a) for k, a in log.calls) / steps,
+        "bytes_per_step": sum(row["bytes"] for row in groups.values()),
         "groups": groups,
         "calls": log.calls,
         "rounds": times,

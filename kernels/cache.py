@@ -114,29 +114,27 @@ def build_kernel(spec: KernelSpec, cache_dir: Path) -> Path:
 
 
 def _compile_cpu(spec: KernelSpec, out: Path) -> dict[str, Any]:
-    """Decode + batched PrimFuncs → one LLVM module → ``out`` (.so)."""
+    """Decode (+ batched, except kind ``predict``: one token only) PrimFuncs → one LLVM module → ``out`` (.so)."""
     import tvm
 
     from . import cpu
-    from .compute import describe, describe_partitioned
+    from .compute import describe, describe_partitioned, describe_predict
 
     key = spec.key()
-    if spec.kind == "predict":  # one token only: several tokens take the torch reference (ops.predict)
-        from .compute import describe_predict
-
-        desc = describe_predict(spec)
-        func = cpu.as_named(cpu.schedule(desc, spec), key)
-        tvm.compile(tvm.IRModule({key: func}), target=cpu.host_target()).export_library(str(out))
-        return {"batched": False, "arg_names": desc.arg_names, "functions": [key]}
+    batched_too = spec.kind != "predict"  # several tokens take the torch reference (ops.predict)
     funcs = {}
-    for batched in (False, True):
-        if spec.kind in ("ffn_relu", "ffn_gated"):
+    for batched in (False, True) if batched_too else (False,):
+        if spec.kind == "predict":
+            desc = describe_predict(spec)
+        elif spec.kind in ("ffn_relu", "ffn_gated"):
             desc = describe_partitioned(spec, cpu.build_cores(), batched=batched)
         else:
             desc = describe(spec, batched=batched)
+        if not batched:
+            arg_names = desc.arg_names
         name = key + ("_batch" if batched else "")
         funcs[name] = cpu.as_named(cpu.schedule(desc, spec), name)
     mod = tvm.IRModule(funcs)
     lib = tvm.compile(mod, target=cpu.host_target())
     lib.export_library(str(out))
-    return {"batched": True, "arg_names": describe(spec).arg_names, "functions": sorted(funcs)}
+    return {"batched": batched_too, "arg_names": arg_names, "functions": sorted(funcs)}

@@ -227,6 +227,14 @@ def _threshold(value: float) -> Tensor:
     return _THRESHOLDS[value]
 
 
+def _loaded(key: str, what: str) -> object:
+    """The loaded TVM kernel ``key`` from ``KERNEL_TABLE``, or a RuntimeError naming what needed it."""
+    kern = KERNEL_TABLE.get(key)
+    if kern is None:
+        raise RuntimeError(f"TVM kernel {key} ({what}) is not loaded")
+    return kern
+
+
 def _all_rows(n: int) -> Tensor:
     if n not in _ALL_ROWS:
         _ALL_ROWS[n] = torch.arange(n, dtype=torch.int32)
@@ -255,9 +263,7 @@ def tvm_sparse_ffn(
         return torch.zeros_like(x)
     if x.numel() != d or not kernel:
         return sparse_ffn(x, w_up, b_up, w_gate, w_down_t, mask, act, layer, part, device)
-    kern = KERNEL_TABLE.get(kernel)
-    if kern is None:
-        raise RuntimeError(f"TVM kernel {kernel} (layer {layer}, {part} part) is not loaded")
+    kern = _loaded(kernel, f"layer {layer}, {part} part")
     idx = _all_rows(w_up.shape[0]) if mask is None else mask.reshape(-1).nonzero().squeeze(1).to(torch.int32)
     from picompile.kernels import as_aligned
 
@@ -301,9 +307,7 @@ def _out(n: int) -> Tensor:
 
 def _gemv(kernel: str, x: Tensor, w: Tensor, what: str) -> Tensor:
     """``w @ x`` for one token through the TVM kernel ``kernel`` (kind ``up``: every row of w). [d_out]"""
-    kern = KERNEL_TABLE.get(kernel)
-    if kern is None:
-        raise RuntimeError(f"TVM kernel {kernel} ({what}) is not loaded")
+    kern = _loaded(kernel, what)
     from picompile.kernels import as_aligned
 
     y = _out(w.shape[0])
@@ -350,9 +354,7 @@ def tvm_predict(
     if x.numel() != x.shape[-1]:
         return predict(x, fc1, fc2, threshold, layer, act, offset)
     if not kernel2:
-        kern = KERNEL_TABLE.get(kernel1)
-        if kern is None:
-            raise RuntimeError(f"TVM kernel {kernel1} (layer {layer} predictor) is not loaded")
+        kern = _loaded(kernel1, f"layer {layer} predictor")
         from picompile.kernels import as_aligned
 
         mask = torch.empty(fc2.shape[0], dtype=torch.int8)  # [n_neurons], written 0/1
