@@ -104,15 +104,15 @@ def measure(session: picompile.Session, prompt_len: int = 64, steps: int = 8, ro
     calls replayed back to back, and the steps with each call timed. Seconds per step, medians."""
     log = Log()
     gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, session.vocab_size, (1, prompt_len), generator=gen)
-    logits, past0 = session.step(prompt, session.empty_past())
-    first = int(logits[-1].argmax())
+    prompt = torch.randint(0, session.vocab_size, (prompt_len,), generator=gen).tolist()
+    dec = session.decoder()  # as generate runs (the KV cache in place)
+    first = int(dec.feed(prompt)[-1].argmax())
 
     def decode() -> None:
-        tok, past = first, past0
+        dec.truncate(prompt_len)  # the same steps every time
+        tok = first
         for _ in range(steps):
-            logits, past = session.step(torch.tensor([[tok]]), past)
-            tok = int(logits[-1].argmax())
+            tok = int(dec.feed([tok])[-1].argmax())
 
     replay_groups: dict[str, list[float]] = {}
 

@@ -100,13 +100,13 @@ def _argmax(logits: Any) -> int:
 
 
 def session_engine(name: str, label: str, session: Any) -> Engine:
+    """A picompile session as ``generate`` runs it: a decoder over its KV cache (in place where it can be)."""
     def prefill(ids: list[int]) -> tuple[int, Any]:
-        logits, past = session.step(torch.tensor([ids]), session.empty_past())
-        return _argmax(logits), past
+        dec = session.decoder()
+        return _argmax(dec.feed(ids)), dec
 
-    def decode(tok: int, past: Any) -> tuple[int, Any]:
-        logits, past = session.step(torch.tensor([[tok]]), past)
-        return _argmax(logits), past
+    def decode(tok: int, dec: Any) -> tuple[int, Any]:
+        return _argmax(dec.feed([tok])), dec
 
     return Engine(name, label, prefill, decode)
 
@@ -149,9 +149,8 @@ def dense_view(session: Any) -> Any:
 def compiled_view(session: Any) -> Any:
     """The session's step through torch.compile (``load(art, compile=True)``), sharing its weights."""
     from picompile.runtime import Session
-    from picompile.runtime.compile import compile_step
 
-    return Session(session.root, session.manifest, session.graph, session.tokenizer, step_fn=compile_step(session.graph))
+    return Session(session.root, session.manifest, session.graph, session.tokenizer, compile=True)
 
 
 def ort_engine(source: str, cache_dir: Path, threads: int) -> Engine | str:

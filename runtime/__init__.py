@@ -37,17 +37,12 @@ def load(path: str | Path, verify: bool = True, dense: bool = False, hybrid: str
 
         hybrid = transparent_mode(hybrid, Target.from_json(manifest.target).has_gpu)
     graph = load_graph(root, manifest, dense=dense, hybrid=hybrid, direct=True)
-    step_fn = None
-    if compile:
-        from picompile.runtime.compile import compile_step
-
-        step_fn = compile_step(graph)
     tokenizer = None
     if manifest.tokenizer:
         from picompile.tokenizers import load_tokenizer_entry
 
         tokenizer = load_tokenizer_entry(manifest.tokenizer, root)
-    return Session(root, manifest, graph, tokenizer, step_fn=step_fn)
+    return Session(root, manifest, graph, tokenizer, compile=compile)
 
 
 __all__ = ["Session", "load"]

@@ -1,7 +1,7 @@
 """Compile a loaded step graph with ``torch.compile`` (TorchInductor's CPU C++ backend).
 
 graph of ~1,400 aten glue nodes around picompile's kernels → a few dozen fused C++ loops around the same
-kernels. The glue (RMSNorm, rotary embedding, attention, residual adds, KV-cache concatenation) costs ~20 ms
+kernels. The glue (RMSNorm, rotary embedding, attention, residual adds, KV-cache writes) costs ~20 ms
 of an ~80 ms 1B decode step when every node is a separate eager dispatch; compiled, the step is 13–15 %
 faster (measured, llama-1b-relu f16). picompile ops stay opaque calls (their fake implementations give
 inductor the shapes), except the trivial ones: ``merge`` becomes its adds and an FFN part without rows its
@@ -26,7 +26,7 @@ from picompile.graph import get_tensor
 from picompile.ops import DirectCall, is_picompile_op
 from picompile.runtime.hybrid import PART_OPS, HybridFFN, resolve_mode
 
-StepFn = Callable[..., tuple[Tensor, ...]]  # (ids [1, seq], *past) -> (logits, *presents)
+StepFn = Callable[..., tuple[Tensor, ...]]  # (ids [1, seq], *past) -> (logits, *presents), or (logits,) in place
 
 
 def _opaque(fn: Callable[..., Any]) -> Callable[..., Any]:

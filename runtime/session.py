@@ -9,17 +9,24 @@ from torch import Tensor, fx
 
 from picompile.artifact import Manifest
 from picompile.errors import InputError
+from picompile.runtime.kv_cache import ArenaPatternError, KVArenas, arena_step
 
 
 class Session:
-    """Runs an artifact's graph. ``generate`` returns only the new token ids."""
+    """Runs an artifact's graph. ``generate`` returns only the new token ids.
+
+    Steps run on the KV cache in place (``runtime/kv_cache.py``: one preallocated buffer per past input,
+    ``max_seq_len`` positions) unless the graph's cache is not the pattern that form replaces
+    (``kv_reason`` says why) or a step function is passed in. ``decoder()`` appends to that cache without
+    copying it; ``step(ids, past)`` keeps its functional contract (it returns presents of its own).
+    """
 
     def __init__(self, root: Path, manifest: Manifest, graph: fx.GraphModule, tokenizer: Any | None,
-                 step_fn: Callable[..., tuple[Tensor, ...]] | None = None) -> None:
+                 step_fn: Callable[..., tuple[Tensor, ...]] | None = None, *, compile: bool = False,
+                 kv_in_place: bool = True) -> None:
         self.root = root
         self.manifest = manifest
-        self.graph = graph  # the graph as loaded (inspect it, interpret it)
-        self.step_fn = step_fn or graph  # what ``step`` calls: the graph, or its compiled form (load(compile=True))
+        self.graph = graph  # the graph as loaded (inspect it, interpret it): functional, past in, presents out
         self.tokenizer = tokenizer
         model = manifest.model
         self.vocab_size: int = int(model["vocab_size"])
@@ -30,11 +37,28 @@ class Session:
         eos = tokenizer.eos_id if tokenizer is not None and tokenizer.eos_id is not None else model["config"].get("eos_token_id")
         self.eos_id: int | None = eos[0] if isinstance(eos, list) else eos
         self.last_logits: Tensor | None = None  # [n_generated, vocab]: what each generated token was chosen from
+        self.kv: KVArenas | None = None  # the in-place KV cache (None: every step concatenates the past)
+        self.kv_reason = "a step function was given" if step_fn is not None else "kv_in_place=False"
+        if step_fn is None and kv_in_place:
+            try:
+                self.kv = arena_step(graph, self.n_past, self.max_seq_len)
+                self.kv_reason = ""
+            except ArenaPatternError as e:
+                self.kv_reason = str(e)
+        run = self.kv.graph if self.kv is not None else graph
+        self._compiled = compile or step_fn is not None  # a given step function is the graph compiled (bench, tests)
+        if compile and step_fn is None:
+            from picompile.runtime.compile import compile_step
+
+            step_fn = compile_step(run)
+        self.step_fn = step_fn or run  # what a step calls: the (arena) graph, or its compiled form
+        self._kv_version = 0  # bumped by every step on the arenas: what they hold changes
+        self._kv_handed: tuple[tuple[Tensor, ...], int] | None = None  # step()'s last presents, at that version
 
     @property
     def compiled(self) -> bool:
-        """Whether ``step`` runs the graph's torch.compile'd form (``load(compile=True)``)."""
-        return self.step_fn is not self.graph
+        """Whether steps run the graph's torch.compile'd form (``load(compile=True)``)."""
+        return self._compiled
 
     @property
     def hybrid_mode(self) -> str:
@@ -56,10 +80,44 @@ class Session:
             return tuple(torch.zeros(1, self.kv_heads, 0, self.head_dim) for _ in range(self.n_past))
 
     def step(self, ids: Tensor, past: tuple[Tensor, ...]) -> tuple[Tensor, tuple[Tensor, ...]]:
-        """One graph call: ids [1, seq] after ``past`` → (logits [seq, vocab], presents)."""
+        """One step: ids [1, seq] after ``past`` → (logits [seq, vocab], presents). Functional: ``past`` is
+        only read, the presents are new tensors (on the in-place cache, copies of its first positions; the
+        cache is refilled from ``past`` unless it already holds it, i.e. past is the previous step's result)."""
+        if self.kv is None:
+            with torch.inference_mode():
+                out = self.step_fn(ids, *past)
+            return out[0][0], tuple(out[1:])
+        start = int(past[0].shape[2]) if past else 0
+        held = self._kv_handed is not None and self._kv_handed[1] == self._kv_version and len(past) == len(
+            self._kv_handed[0]) and all(a is b for a, b in zip(past, self._kv_handed[0]))
+        self._check_room(start, ids.shape[-1])
+        if start and not held:
+            with torch.inference_mode():
+                for arena, p in zip(self.kv.arenas, past):
+                    arena[:, :, :start].copy_(p)
+        logits = self._advance(ids, start)
         with torch.inference_mode():
-            out = self.step_fn(ids, *past)
-        return out[0][0], tuple(out[1:])
+            presents = tuple(v.clone() for v in self.kv.views(start + ids.shape[-1]))
+        self._kv_handed = (presents, self._kv_version)
+        return logits, presents
+
+    def decoder(self) -> "Decoder":
+        """A decoder over this session's KV cache: ``feed(ids)`` appends tokens and returns their logits,
+        without copying the cache (one decoder at a time per session: any other step overwrites it)."""
+        return Decoder(self)
+
+    def _check_room(self, start: int, n: int) -> None:
+        if start + n > self.max_seq_len:
+            raise InputError(f"{start} cached tokens and {n} new ones exceed this artifact's context of "
+                             f"{self.max_seq_len} tokens")
+
+    def _advance(self, ids: Tensor, start: int) -> Tensor:
+        """Run ids [1, T] on the in-place cache after its first ``start`` positions → logits [T, vocab]."""
+        assert self.kv is not None
+        with torch.inference_mode():
+            out = self.step_fn(ids, *self.kv.views(start))
+        self._kv_version += 1
+        return out[0][0]
 
     def _ids(self, prompt_or_ids: str | Sequence[int] | Tensor) -> list[int]:
         if isinstance(prompt_or_ids, str):
@@ -111,16 +169,15 @@ class Session:
         if max_new_tokens == 0:
             self.last_logits = torch.empty(0, self.vocab_size)
             return out
-        logits, past = self.step(torch.tensor([tokens]), self.empty_past())
-        last = logits[-1]  # [vocab]
+        dec = self.decoder()
+        last = dec.feed(tokens)[-1]  # [vocab]
         while True:
             chosen.append(last)
             nxt = self._pick(last, temperature, top_k, gen)
             out.append(nxt)
             if len(out) >= max_new_tokens or (stop_at_eos and nxt == self.eos_id):
                 break
-            logits, past = self.step(torch.tensor([[nxt]]), past)
-            last = logits[-1]
+            last = dec.feed([nxt])[-1]
         self.last_logits = torch.stack(chosen)
         return out
 
@@ -138,3 +195,40 @@ class Session:
         if self.tokenizer is None:
             return " ".join(str(i) for i in ids)
         return self.tokenizer.decode(list(ids))
+
+
+class Decoder:
+    """Stateful decoding: ``feed(ids)`` appends ids to what was fed before and returns their logits
+    [len(ids), vocab]. On the session's in-place KV cache nothing is copied; a session without one keeps
+    the presents of its last step. Any other step of the same session (``step``, ``logits``, another
+    decoder) reuses the cache, and a later ``feed`` then raises ``InputError``."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.length = 0  # tokens fed so far
+        self._version: int | None = None  # the session's cache version after this decoder's last feed
+        self._past: tuple[Tensor, ...] | None = None  # sessions without the in-place cache
+
+    def feed(self, ids: Sequence[int] | Tensor) -> Tensor:
+        s = self.session
+        tokens = s._ids(ids)
+        batch = torch.tensor([tokens])
+        s._check_room(self.length, len(tokens))
+        if s.kv is None:
+            logits, self._past = s.step(batch, self._past if self._past is not None else s.empty_past())
+        else:
+            if self.length and self._version != s._kv_version:
+                raise InputError("this decoder's KV cache was overwritten by another step of its session "
+                                 "(one decoder at a time per session; start a new one with session.decoder())")
+            logits = s._advance(batch, self.length)
+            self._version = s._kv_version
+        self.length += len(tokens)
+        return logits
+
+    def truncate(self, length: int) -> None:
+        """Keep only the first ``length`` tokens fed; the next ``feed`` continues after them."""
+        if not 0 <= length <= self.length:
+            raise InputError(f"cannot truncate a decoder of {self.length} tokens to {length}")
+        if self._past is not None:
+            self._past = tuple(p[:, :, :length] for p in self._past)
+        self.length = length
