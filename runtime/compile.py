@@ -93,15 +93,16 @@ def _opaque_copy(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)  # its buffers are gm's tensors
 
 
-def compile_step(gm: fx.GraphModule) -> StepFn:
-    """The compiled step of a loaded graph ``gm``, which is left as it is (the graph to inspect and
-    interpret); the compiled copies share its weights."""
+def compile_step(gm: fx.GraphModule, prefill_gm: fx.GraphModule | None = None) -> StepFn:
+    """The compiled step of a loaded graph ``gm`` (several tokens: of ``prefill_gm`` when given, e.g. the same
+    graph without neuron masks), which is left as it is (the graph to inspect and interpret); the compiled
+    copies share its weights."""
     check_compiler()
     # two copies, each with its own generated code (so its own compiled graphs): prefill's fused loops use
     # every thread, decode's run on one — a decode step's glue is tiny, and waking OpenMP workers for each
     # loop costs more than it saves (measured: 53.9 against 55.5 ms per 1B f16 step, while one-thread
     # loops slowed prefill from 74 to 67 tok/s); the kernels and torch's GEMMs keep every thread
-    prefill = torch.compile(_opaque_copy(gm), dynamic=True)
+    prefill = torch.compile(_opaque_copy(prefill_gm if prefill_gm is not None else gm), dynamic=True)
     decode = torch.compile(_opaque_copy(gm), dynamic=True, options={"cpp.threads": 1})
 
     def step(ids: Tensor, *past: Tensor) -> tuple[Tensor, ...]:

@@ -97,18 +97,27 @@ def _match(gm: fx.GraphModule, n_past: int) -> list[tuple[fx.Node, fx.Node, fx.N
     return [found[p] for p in phs]
 
 
-def arena_step(gm: fx.GraphModule, n_past: int, capacity: int) -> KVArenas:
+def arena_step(gm: fx.GraphModule, n_past: int, capacity: int, arenas: list[Tensor] | None = None) -> KVArenas:
     """The arena form of the step graph ``gm`` (forward(ids, *past) -> (logits, *presents)): a new graph
-    module sharing ``gm``'s weights, with one ``[1, kv_heads, capacity, head_dim]`` buffer per past input.
-    ``gm`` is left as it is. Raises ``ArenaPatternError`` when a present is not ``cat([past, new], seq)``."""
+    module sharing ``gm``'s weights, with one ``[1, kv_heads, capacity, head_dim]`` buffer per past input
+    (new ones, or ``arenas``: another form of the same model writing the same cache). ``gm`` is left as it
+    is. Raises ``ArenaPatternError`` when a present is not ``cat([past, new], seq)``."""
     graph = copy.deepcopy(gm.graph)
     module = fx.GraphModule(gm, graph)  # shares gm's buffers (the weights)
-    arenas: list[Tensor] = []
+    given = arenas
+    arenas = []
     for i, (past, present, new) in enumerate(_match(module, n_past)):
         val = _val(past)
         if val is None or val.dim() != 4:
             raise ArenaPatternError(f"past input {past.name} has no 4-D shape metadata")
-        arena = torch.empty(1, int(val.shape[1]), capacity, int(val.shape[3]), dtype=val.dtype)  # read only where written
+        shape = (1, int(val.shape[1]), capacity, int(val.shape[3]))
+        if given is None:
+            arena = torch.empty(shape, dtype=val.dtype)  # read only where written
+        else:
+            arena = given[i]
+            if tuple(arena.shape) != shape or arena.dtype != val.dtype:
+                raise ArenaPatternError(f"arena {i} is {tuple(arena.shape)} {arena.dtype}, past input {past.name} "
+                                        f"needs {shape} {val.dtype}")
         name = f"kv_arena{i}"
         module.register_buffer(name, arena)
         arenas.append(arena)

@@ -36,7 +36,7 @@ def bind_weights(gm: fx.GraphModule, n_inputs: int, keys: list[str], tensors: di
 MASK_ARGS: dict[str, int] = {"ffn": 8, "sparse_ffn": 5, "tvm_sparse_ffn": 5}
 
 
-def _mask_positions(node: fx.Node) -> tuple[int, ...]:
+def mask_positions(node: fx.Node) -> tuple[int, ...]:
     """Positions of ``node``'s neuron mask arguments (none unless it is an FFN op or a hybrid scheduler)."""
     from picompile.ops import is_picompile_op
     from picompile.runtime.hybrid import HYBRID_MASK_ARGS, HybridFFN
@@ -55,7 +55,7 @@ def drop_masks(gm: fx.GraphModule) -> fx.GraphModule:
     Hybrid-scheduled graphs (``runtime/hybrid.py``) lose the masks of both partitions alike.
     """
     for node in gm.graph.nodes:
-        positions = _mask_positions(node)
+        positions = mask_positions(node)
         if positions:
             args = list(node.args)
             for pos in positions:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor, fx
@@ -17,13 +17,13 @@ class Session:
 
     Steps run on the KV cache in place (``runtime/kv_cache.py``: one preallocated buffer per past input,
     ``max_seq_len`` positions) unless the graph's cache is not the pattern that form replaces
-    (``kv_reason`` says why) or a step function is passed in. ``decoder()`` appends to that cache without
-    copying it; ``step(ids, past)`` keeps its functional contract (it returns presents of its own).
+    (``kv_reason`` says why). ``decoder()`` appends to that cache without copying it; ``step(ids, past)``
+    keeps its functional contract (it returns presents of its own). Prefill (several tokens in one step)
+    is dense: every FFN neuron, no predictor (``dense_prefill``); decode (one token) runs the masks.
     """
 
-    def __init__(self, root: Path, manifest: Manifest, graph: fx.GraphModule, tokenizer: Any | None,
-                 step_fn: Callable[..., tuple[Tensor, ...]] | None = None, *, compile: bool = False,
-                 kv_in_place: bool = True) -> None:
+    def __init__(self, root: Path, manifest: Manifest, graph: fx.GraphModule, tokenizer: Any | None, *,
+                 compile: bool = False, kv_in_place: bool = True, dense_prefill: bool = True) -> None:
         self.root = root
         self.manifest = manifest
         self.graph = graph  # the graph as loaded (inspect it, interpret it): functional, past in, presents out
@@ -37,21 +37,31 @@ class Session:
         eos = tokenizer.eos_id if tokenizer is not None and tokenizer.eos_id is not None else model["config"].get("eos_token_id")
         self.eos_id: int | None = eos[0] if isinstance(eos, list) else eos
         self.last_logits: Tensor | None = None  # [n_generated, vocab]: what each generated token was chosen from
+        # prefill (several tokens) computes every neuron: dense GEMMs over the prompt need no masks, and the
+        # predictors would only add their cost (decode, one token, runs the masks)
+        prefill = _without_masks(graph) if dense_prefill else graph
+        self.dense_prefill = prefill is not graph
         self.kv: KVArenas | None = None  # the in-place KV cache (None: every step concatenates the past)
-        self.kv_reason = "a step function was given" if step_fn is not None else "kv_in_place=False"
-        if step_fn is None and kv_in_place:
+        self.kv_reason = "kv_in_place=False"
+        if kv_in_place:
             try:
                 self.kv = arena_step(graph, self.n_past, self.max_seq_len)
                 self.kv_reason = ""
             except ArenaPatternError as e:
                 self.kv_reason = str(e)
-        run = self.kv.graph if self.kv is not None else graph
-        self._compiled = compile or step_fn is not None  # a given step function is the graph compiled (bench, tests)
-        if compile and step_fn is None:
+        if self.kv is not None:  # both forms write the same buffers
+            decode_run = self.kv.graph
+            prefill_run = decode_run if prefill is graph else arena_step(prefill, self.n_past, self.max_seq_len,
+                                                                          self.kv.arenas).graph
+        else:
+            decode_run, prefill_run = graph, prefill
+        self._compiled = compile
+        if compile:
             from picompile.runtime.compile import compile_step
 
-            step_fn = compile_step(run)
-        self.step_fn = step_fn or run  # what a step calls: the (arena) graph, or its compiled form
+            self.step_fn = compile_step(decode_run, prefill_run)  # dispatches on the token count itself
+        else:
+            self.step_fn = lambda ids, *past: (prefill_run if ids.shape[-1] > 1 else decode_run)(ids, *past)
         self._kv_version = 0  # bumped by every step on the arenas: what they hold changes
         self._kv_handed: tuple[tuple[Tensor, ...], int] | None = None  # step()'s last presents, at that version
 
@@ -195,6 +205,18 @@ class Session:
         if self.tokenizer is None:
             return " ".join(str(i) for i in ids)
         return self.tokenizer.decode(list(ids))
+
+
+def _without_masks(graph: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``graph`` (sharing its weights) whose FFN ops compute every neuron, or ``graph`` itself when
+    it has no neuron masks."""
+    import copy
+
+    from picompile.runtime.loader import mask_positions, drop_masks
+
+    if not any(mask_positions(n) and any(n.args[p] is not None for p in mask_positions(n)) for n in graph.graph.nodes):
+        return graph
+    return drop_masks(fx.GraphModule(graph, copy.deepcopy(graph.graph)))
 
 
 class Decoder:

@@ -60,7 +60,18 @@ def test_trained_build_reports_layers(checkpoints: dict, tmp_path: Path, capsys:
     with torch.no_grad():
         ref = model(torch.tensor([PROMPT])).logits[0]
     assert (dense.logits(PROMPT) - ref).abs().max().item() < 1e-5
-    assert (session.logits(PROMPT) - ref).abs().max().item() > 1e-5  # trained predictors do skip neurons
+    # prefill (several tokens) is dense: every neuron, so the dense model's logits; decode runs the masks
+    assert session.dense_prefill and not dense.dense_prefill
+    assert (session.logits(PROMPT) - ref).abs().max().item() < 1e-5
+    sparse_dec, dense_dec = session.decoder(), dense.decoder()
+    sparse_dec.feed(PROMPT), dense_dec.feed(PROMPT)
+    step = sparse_dec.feed([3])
+    assert (step - dense_dec.feed([3])).abs().max().item() > 1e-5  # trained predictors do skip neurons
+    # … exactly the artifact's masked graph decoding after the dense graph's prefill
+    with torch.inference_mode():
+        past = dense.graph(torch.tensor([PROMPT]), *dense.empty_past())[1:]
+        want = session.graph(torch.tensor([[3]]), *past)[0][0]
+    torch.testing.assert_close(step, want, atol=1e-6, rtol=1e-6)
 
 
 def test_stories260k(shared_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
