@@ -34,7 +34,6 @@ of ``benchmarks/kernels.py``.
 from __future__ import annotations
 
 import argparse
-import copy
 import inspect
 import json
 import os
@@ -140,10 +139,9 @@ def dense_view(session: Any) -> Any:
     copied, its buffers are the same tensors.
     """
     from picompile.runtime import Session
-    from picompile.runtime.loader import drop_masks
+    from picompile.runtime.loader import without_masks
 
-    gm = fx.GraphModule(session.graph, copy.deepcopy(session.graph.graph))
-    return Session(session.root, session.manifest, drop_masks(gm), session.tokenizer)
+    return Session(session.root, session.manifest, without_masks(session.graph), session.tokenizer)
 
 
 def compiled_view(session: Any) -> Any:

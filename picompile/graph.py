@@ -23,6 +23,13 @@ def flatten_codegen(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+def shared_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A new graph module with a copy of ``gm``'s graph (to rewrite) and ``gm``'s buffers (the same tensors)."""
+    import copy
+
+    return fx.GraphModule(gm, copy.deepcopy(gm.graph))
+
+
 def drop_unused_weights(gm: fx.GraphModule) -> None:
     """Erase the get_attr nodes nothing reads, then forget the flat buffers no get_attr node names (weights a
     pass replaced: permuted, converted or stacked copies), so the build stops holding them."""

@@ -12,14 +12,13 @@ the graph reads only their length S.
 """
 from __future__ import annotations
 
-import copy
 import operator
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, fx
 
-from picompile.graph import placeholders
+from picompile.graph import placeholders, shared_copy
 
 aten = torch.ops.aten
 SEQ_DIM = 2  # past / present layout [batch, kv_heads, seq, head_dim]
@@ -102,8 +101,8 @@ def arena_step(gm: fx.GraphModule, n_past: int, capacity: int, arenas: list[Tens
     module sharing ``gm``'s weights, with one ``[1, kv_heads, capacity, head_dim]`` buffer per past input
     (new ones, or ``arenas``: another form of the same model writing the same cache). ``gm`` is left as it
     is. Raises ``ArenaPatternError`` when a present is not ``cat([past, new], seq)``."""
-    graph = copy.deepcopy(gm.graph)
-    module = fx.GraphModule(gm, graph)  # shares gm's buffers (the weights)
+    module = shared_copy(gm)
+    graph = module.graph
     given = arenas
     arenas = []
     for i, (past, present, new) in enumerate(_match(module, n_past)):

@@ -11,7 +11,7 @@ from torch import fx
 
 from picompile.artifact import Manifest
 from picompile.errors import ArtifactError
-from picompile.graph import drop_metadata_asserts, flatten_codegen, placeholders
+from picompile.graph import drop_metadata_asserts, flatten_codegen, placeholders, shared_copy
 from picompile.ops import call_directly  # importing picompile.ops registers the ops the graph calls
 
 
@@ -64,6 +64,14 @@ def drop_masks(gm: fx.GraphModule) -> fx.GraphModule:
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm
+
+
+def without_masks(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` sharing its weights whose FFN ops compute every neuron (:func:`drop_masks`), or ``gm``
+    itself when none of its FFN ops has a mask."""
+    if not any(any(node.args[p] is not None for p in mask_positions(node)) for node in gm.graph.nodes):
+        return gm
+    return drop_masks(shared_copy(gm))
 
 
 def load_graph(root: Path, manifest: Manifest, dense: bool = False, hybrid: str = "off",

@@ -10,6 +10,7 @@ from torch import Tensor, fx
 from picompile.artifact import Manifest
 from picompile.errors import InputError
 from picompile.runtime.kv_cache import ArenaPatternError, KVArenas, arena_step
+from picompile.runtime.loader import without_masks
 
 
 class Session:
@@ -39,7 +40,7 @@ class Session:
         self.last_logits: Tensor | None = None  # [n_generated, vocab]: what each generated token was chosen from
         # prefill (several tokens) computes every neuron: dense GEMMs over the prompt need no masks, and the
         # predictors would only add their cost (decode, one token, runs the masks)
-        prefill = _without_masks(graph) if dense_prefill else graph
+        prefill = without_masks(graph) if dense_prefill else graph
         self.dense_prefill = prefill is not graph
         self.kv: KVArenas | None = None  # the in-place KV cache (None: every step concatenates the past)
         self.kv_reason = "kv_in_place=False"
@@ -101,12 +102,11 @@ class Session:
         held = self._kv_handed is not None and self._kv_handed[1] == self._kv_version and len(past) == len(
             self._kv_handed[0]) and all(a is b for a, b in zip(past, self._kv_handed[0]))
         self._check_room(start, ids.shape[-1])
-        if start and not held:
-            with torch.inference_mode():
+        with torch.inference_mode():
+            if start and not held:
                 for arena, p in zip(self.kv.arenas, past):
                     arena[:, :, :start].copy_(p)
-        logits = self._advance(ids, start)
-        with torch.inference_mode():
+            logits = self._advance(ids, start)
             presents = tuple(v.clone() for v in self.kv.views(start + ids.shape[-1]))
         self._kv_handed = (presents, self._kv_version)
         return logits, presents
@@ -205,18 +205,6 @@ class Session:
         if self.tokenizer is None:
             return " ".join(str(i) for i in ids)
         return self.tokenizer.decode(list(ids))
-
-
-def _without_masks(graph: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``graph`` (sharing its weights) whose FFN ops compute every neuron, or ``graph`` itself when
-    it has no neuron masks."""
-    import copy
-
-    from picompile.runtime.loader import mask_positions, drop_masks
-
-    if not any(mask_positions(n) and any(n.args[p] is not None for p in mask_positions(n)) for n in graph.graph.nodes):
-        return graph
-    return drop_masks(fx.GraphModule(graph, copy.deepcopy(graph.graph)))
 
 
 class Decoder:
