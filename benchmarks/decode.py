@@ -79,6 +79,7 @@ ROWS: list[tuple[str, str, str]] = [  # (label, key, format)
     ("prefill tok/s, picompile", "prefill_tokens_per_s", "{:.1f}"),
     ("prefill tok/s, PyTorch eager", "dense_prefill_tokens_per_s", "{:.1f}"),
     ("prefill speedup vs PyTorch", "prefill_speedup", "{:.2f}x"),
+    ("  --prefill-dtype: prefill speedup", "low_prefill_speedup", "{:.2f}x"),
     ("FFN neurons computed / token", "ffn_active_fraction", "{:.1%}"),
     ("  predicted active (manifest)", "ffn_active_fraction_manifest", "{:.1%}"),
     ("bytes / token, picompile (GB)", "bytes_per_token", "gb"),
@@ -138,6 +139,8 @@ def main() -> int:
                     help="trained predictors: linear (default, closed-form fit) or mlp (PowerInfer's, BCE)")
     ap.add_argument("--compile", action="store_true",
                     help="also run picompile's step through torch.compile (the headline ratios are then its own)")
+    ap.add_argument("--prefill-dtype", choices=["bfloat16"],
+                    help="also run the step with the prompt's GEMMs in this dtype (picompile bench --prefill-dtype)")
     ap.add_argument("--rebuild", action="store_true", help="rebuild the artifacts even if cached")
     ap.add_argument("--no-extras", action="store_true", help="skip ONNX Runtime and llama.cpp")
     ap.add_argument("--cache-dir", type=Path, help="artifact cache (default: <picompile cache>/bench)")
@@ -162,7 +165,7 @@ def main() -> int:
             log(f"{shape} ({predictor}): benchmarking (load average {os.getloadavg()[0]:.1f})")
             result = run_bench(art, args.tokens, args.prompt_len, args.repeats, args.threads,
                                extras=not args.no_extras, gguf=args.gguf, gguf_type=args.gguf_type,
-                               compile=args.compile, emit=log)
+                               compile=args.compile, prefill_dtype=args.prefill_dtype, emit=log)
             result["bound_share"] = result["decode_tokens_per_s"] / result["bound_tokens_per_s"]
             ort = result["engines"].get("onnxruntime")
             result["ort_decode_tokens_per_s"] = ort["decode_tokens_per_s"] if ort else None

@@ -412,6 +412,7 @@ def run_bench(
     seed: int = 0,
     mask_tokens: int = 8,
     compile: bool = False,
+    prefill_dtype: str | None = None,
     emit: Callable[[str], None] = lambda s: None,
 ) -> dict[str, Any]:
     """Measure ``artifact`` against dense PyTorch eager; return the result dict (see the module doc)."""
@@ -452,6 +453,17 @@ def run_bench(
     if compiled is not None:  # first, so it is the one every ratio is about; the eager step stays beside it
         engines.insert(0, session_engine("picompile-compiled", "picompile compile=True", compiled))
     dense_session = dense_view(session) if dense_artifact else None
+    low = None
+    if prefill_dtype is not None:  # the same step with the prompt's GEMMs in prefill_dtype, beside the default
+        from picompile.runtime import Session
+        from picompile.runtime.compute_dtype import resolve
+
+        resolve(prefill_dtype)
+        low = Session(session.root, manifest, session.graph, session.tokenizer, compile=compile,
+                      prefill_dtype=prefill_dtype)
+        engines.insert(1, session_engine(f"picompile-{prefill_dtype}-prefill",
+                                         f"picompile prefill_dtype={prefill_dtype}{' compile=True' if compile else ''}",
+                                         low))
     if dense_session is not None:
         dense_run = compiled_view(dense_session) if compile else dense_session
         engines.append(session_engine("picompile-dense", f"picompile dense=True{' compile=True' if compile else ''}", dense_run))
@@ -561,6 +573,11 @@ def run_bench(
         result["same_tokens_as_eager"] = _common_prefix(engines[0].tokens, _by_name(engines, "picompile").tokens)
         result["eager_decode_tokens_per_s"] = rates["picompile"][1]
         result["eager_prefill_tokens_per_s"] = rates["picompile"][0]
+    if low is not None:
+        result["prefill_dtype"] = prefill_dtype
+        result["low_prefill_tokens_per_s"], result["low_decode_tokens_per_s"] = rates[f"picompile-{prefill_dtype}-prefill"]
+        result["low_prefill_speedup"] = result["low_prefill_tokens_per_s"] / dpf
+        result["low_prefill_logits"] = logits_agreement(compiled if compiled is not None else session, low, prompt)
     if "llama.cpp" in rates:
         result["llama_cpp_decode_tokens_per_s"] = rates["llama.cpp"][1]
         result["decode_vs_llama_cpp"] = dc / rates["llama.cpp"][1]
@@ -569,6 +586,14 @@ def run_bench(
         result["artifact_dense_decode_tokens_per_s"] = adc
         result["artifact_dense_prefill_tokens_per_s"] = apf
     return result
+
+
+def logits_agreement(ref: Any, other: Any, prompt: list[int]) -> dict[str, float]:
+    """How ``other``'s prompt logits compare with ``ref``'s: relative error (Frobenius) and the share of
+    positions whose top token agrees."""
+    want, got = ref.decoder().feed(prompt), other.decoder().feed(prompt)  # [prompt_len, vocab] each
+    return {"relative_error": float((got - want).norm() / want.norm()),
+            "top1_agreement": float((got.argmax(-1) == want.argmax(-1)).float().mean())}
 
 
 def _by_name(engines: list[Engine], name: str) -> Engine:
@@ -635,6 +660,11 @@ def print_report(result: dict[str, Any], console: Any | None = None) -> None:
         f"copy bandwidth {result['bandwidth_gbs']:.2f} GB/s → bound {result['bound_tokens_per_s']:.2f} tok/s "
         f"(dense bound {result['dense_bound_tokens_per_s']:.2f}); picompile decode reaches "
         f"{result['decode_tokens_per_s'] / result['bound_tokens_per_s']:.0%} of its bound")
+    if result.get("prefill_dtype"):
+        agree = result["low_prefill_logits"]
+        console.print(f"prefill_dtype={result['prefill_dtype']}: prefill {result['low_prefill_speedup']:.2f}x PyTorch "
+                      f"(default {result['prefill_speedup']:.2f}x); its prompt logits against the default's: relative "
+                      f"error {agree['relative_error']:.1e}, top token equal at {agree['top1_agreement']:.0%} of positions")
     if result.get("compiled"):
         console.print(f"compiled step: greedy tokens equal to the eager step's: first {result['same_tokens_as_eager']} "
                       f"of {result['tokens'] + 1}")
@@ -668,6 +698,9 @@ def add_subcommand(sub: Any) -> None:
     p.add_argument("--compile", action="store_true",
                    help="also run the step through torch.compile (load(compile=True)); the ratios are then the "
                         "compiled step's, the eager one stays beside it")
+    p.add_argument("--prefill-dtype", choices=["bfloat16"],
+                   help="add a column: the step with the prompt's GEMMs in this dtype (load(prefill_dtype=...)), "
+                        "and how its prompt logits compare with the default's")
     p.add_argument("--mask-tokens", type=int, default=8, metavar="N",
                    help="decode steps whose masks are counted for bytes/token (0: use the manifest)")
     p.set_defaults(fn=cmd_bench)
@@ -681,7 +714,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result = run_bench(args.artifact, args.tokens, args.prompt_len, args.repeats, args.threads,
                            dense_artifact=not args.no_dense_artifact, extras=not args.no_extras,
                            gguf=args.gguf, gguf_type=args.gguf_type, copy_mib=args.copy_mib,
-                           mask_tokens=args.mask_tokens, compile=args.compile, emit=lambda s: status.update(s))
+                           mask_tokens=args.mask_tokens, compile=args.compile, prefill_dtype=args.prefill_dtype,
+                           emit=lambda s: status.update(s))
     if args.json:
         sys.stdout.write(json.dumps(result) + "\n")
     else:

@@ -76,7 +76,8 @@ def cmd_build(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     import picompile
 
-    session = picompile.load(args.artifact, verify=not args.no_verify, hybrid=args.hybrid, compile=args.compile)
+    session = picompile.load(args.artifact, verify=not args.no_verify, hybrid=args.hybrid, compile=args.compile,
+                             prefill_dtype=args.prefill_dtype)
     if args.ids is not None:
         try:
             prompt: Any = [int(t) for t in args.ids.replace(",", " ").split()]
@@ -182,6 +183,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--compile", action="store_true",
                    help="fuse the glue between the kernels with torch.compile (faster decode; the first call "
                         "compiles, about a minute for a 1B model, seconds once cached; needs a C++ compiler)")
+    r.add_argument("--prefill-dtype", choices=["bfloat16"],
+                   help="compute the prompt's GEMMs in bfloat16 on copies of the weights (CPUs with AMX or "
+                        "AVX512-BF16: faster prefill, coarser logits, more memory); decode is unchanged")
     r.set_defaults(fn=cmd_run)
 
     i = sub.add_parser("inspect", help="summarise an artifact")

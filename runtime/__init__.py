@@ -7,7 +7,7 @@ from picompile.runtime.session import Session
 
 
 def load(path: str | Path, verify: bool = True, dense: bool = False, hybrid: str = "auto",
-         compile: bool = False) -> Session:
+         compile: bool = False, prefill_dtype: str | None = None) -> Session:
     """Load an artifact directory: check its manifest version and checksums, bind weights, return a Session.
 
     ``dense=True`` computes every FFN neuron (predictors dropped): the artifact's own dense reference.
@@ -19,12 +19,18 @@ def load(path: str | Path, verify: bool = True, dense: bool = False, hybrid: str
     ``compile=True`` runs the step through ``torch.compile`` (``picompile.runtime.compile``): the aten glue
     between the kernels is fused into C++ loops at the first prefill and decode call (slow the first time).
     There "auto" resolving to "inline" loads "off" instead: the same computation, which the compiler sees through.
+    ``prefill_dtype="bfloat16"`` runs the prompt's GEMMs in bfloat16 (AMX / AVX512-BF16 CPUs only; a
+    bfloat16 copy of the weights it converts, ~3e-3 relative error per GEMM; see ``runtime/compute_dtype.py``);
+    decode is unchanged.
     """
     from picompile.artifact import read_manifest
     from picompile.runtime.hybrid import check_mode
     from picompile.runtime.loader import load_graph
 
-    check_mode(hybrid)  # a bad mode fails before anything is read
+    check_mode(hybrid)  # a bad mode or prefill dtype fails before anything is read
+    from picompile.runtime.compute_dtype import resolve
+
+    resolve(prefill_dtype)
     if compile:
         from picompile.runtime.compile import check_compiler
 
@@ -42,7 +48,7 @@ def load(path: str | Path, verify: bool = True, dense: bool = False, hybrid: str
         from picompile.tokenizers import load_tokenizer_entry
 
         tokenizer = load_tokenizer_entry(manifest.tokenizer, root)
-    return Session(root, manifest, graph, tokenizer, compile=compile)
+    return Session(root, manifest, graph, tokenizer, compile=compile, prefill_dtype=prefill_dtype)
 
 
 __all__ = ["Session", "load"]

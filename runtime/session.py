@@ -9,6 +9,8 @@ from torch import Tensor, fx
 
 from picompile.artifact import Manifest
 from picompile.errors import InputError
+from picompile.runtime.compute_dtype import resolve as resolve_compute_dtype
+from picompile.runtime.compute_dtype import with_compute_dtype
 from picompile.runtime.kv_cache import ArenaPatternError, KVArenas, arena_step
 from picompile.runtime.loader import without_masks
 
@@ -21,10 +23,13 @@ class Session:
     (``kv_reason`` says why). ``decoder()`` appends to that cache without copying it; ``step(ids, past)``
     keeps its functional contract (it returns presents of its own). Prefill (several tokens in one step)
     is dense: every FFN neuron, no predictor (``dense_prefill``); decode (one token) runs the masks.
+    ``prefill_dtype="bfloat16"`` computes prefill's GEMMs in bfloat16 on copies of their weights
+    (``runtime/compute_dtype.py``: AMX CPUs; faster, coarser, more memory); decode is unchanged.
     """
 
     def __init__(self, root: Path, manifest: Manifest, graph: fx.GraphModule, tokenizer: Any | None, *,
-                 compile: bool = False, kv_in_place: bool = True, dense_prefill: bool = True) -> None:
+                 compile: bool = False, kv_in_place: bool = True, dense_prefill: bool = True,
+                 prefill_dtype: str | None = None) -> None:
         self.root = root
         self.manifest = manifest
         self.graph = graph  # the graph as loaded (inspect it, interpret it): functional, past in, presents out
@@ -42,6 +47,10 @@ class Session:
         # predictors would only add their cost (decode, one token, runs the masks)
         prefill = without_masks(graph) if dense_prefill else graph
         self.dense_prefill = prefill is not graph
+        compute = resolve_compute_dtype(prefill_dtype)  # bfloat16: prefill's GEMMs on AMX, on weight copies
+        if compute is not None:
+            prefill = with_compute_dtype(prefill, compute)
+        self.prefill_dtype = prefill_dtype
         self.kv: KVArenas | None = None  # the in-place KV cache (None: every step concatenates the past)
         self.kv_reason = "kv_in_place=False"
         if kv_in_place:

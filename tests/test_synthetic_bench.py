@@ -93,6 +93,23 @@ def test_bench_json_compiled(tiny_artifact: Path, capsys: pytest.CaptureFixture[
     assert out["same_tokens_as_eager"] == 5 and out["same_tokens_as_pytorch"] == 5
 
 
+@pytest.mark.skipif(not (torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()),
+                    reason="this CPU has neither AMX nor AVX512-BF16")
+def test_bench_prefill_dtype(tiny_artifact: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--prefill-dtype: a column beside the default step (the headline stays the default's), and how far
+    its prompt logits are from the default's."""
+    assert main(["bench", str(tiny_artifact), "--tokens", "3", "--repeats", "1", "--json", "--threads", "1",
+                 "--prompt-len", "16", "--no-extras", "--no-dense-artifact", "--copy-mib", "64",
+                 "--prefill-dtype", "bfloat16"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert list(out["engines"]) == ["picompile", "picompile-bfloat16-prefill", "pytorch"]
+    assert out["prefill_tokens_per_s"] == out["engines"]["picompile"]["prefill_tokens_per_s"]
+    low = out["engines"]["picompile-bfloat16-prefill"]
+    assert out["low_prefill_speedup"] == pytest.approx(low["prefill_tokens_per_s"] / out["dense_prefill_tokens_per_s"])
+    assert 0 < out["low_prefill_logits"]["relative_error"] < 2e-2
+    assert out["low_prefill_logits"]["top1_agreement"] >= 0.8
+
+
 def test_bench_bytes_dense_graph_counts_every_row(tiny_artifact: Path) -> None:
     from picompile.bench import dense_view
 

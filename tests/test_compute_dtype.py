@@ -1,0 +1,110 @@
+"""prefill_dtype="bfloat16" (runtime/compute_dtype.py): the prefill graph's linear and FFN ops read bfloat16
+copies of their weights (the TVM-lowered ones become reference ops), the decode graph is untouched, the
+prompt's logits stay within bfloat16 rounding of the default prefill's, and a CPU or a name it cannot serve
+fails before anything is loaded."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import picompile
+from picompile.errors import InputError
+from picompile.graph import get_tensor
+from picompile.ops import is_picompile_op
+from picompile.runtime.compute_dtype import with_compute_dtype
+from picompile.runtime.loader import without_masks
+
+PROMPT = [5, 17, 33, 4, 99, 120, 7, 61, 2, 250, 31, 18]
+HAS_BF16 = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+needs_bf16 = pytest.mark.skipif(not HAS_BF16, reason="this CPU has neither AMX nor AVX512-BF16")
+WEIGHT_ARGS = {"linear": (1,), "sparse_ffn": (1, 3, 4), "ffn": (1, 3, 4)}
+
+
+@pytest.fixture(scope="module")
+def f16_artifact(checkpoints: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """llama-relu, trained predictors, float16 weights, TVM kernels (GEMVs and sparse FFNs)."""
+    out = tmp_path_factory.mktemp("compute_dtype") / "f16.pic"
+    return picompile.build(checkpoints[("llama", "relu")], output=out, weight_dtype="float16", calibration_tokens=256,
+                           max_seq_len=64, emit=lambda s: None, progress=False)
+
+
+def _gemm_weights(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
+    """The weights every linear / FFN op of ``gm`` reads."""
+    out = []
+    for node in gm.graph.nodes:
+        for name, positions in WEIGHT_ARGS.items():
+            if node.op == "call_function" and is_picompile_op(node.target, name):
+                out += [get_tensor(gm, node.args[p]) for p in positions if node.args[p] is not None]
+    return out
+
+
+def test_rewrite_structure(f16_artifact: Path) -> None:
+    session = picompile.load(f16_artifact, hybrid="off")
+    prefill = without_masks(session.graph)
+    before = [n.format_node() for n in prefill.graph.nodes]
+    low = with_compute_dtype(prefill, torch.bfloat16)
+    calls = [n for n in low.graph.nodes if n.op == "call_function"]
+    # the kernels read float16: no lowered op is left, each became its reference op
+    assert not [n for n in calls if is_picompile_op(n.target, "tvm_linear") or is_picompile_op(n.target, "tvm_sparse_ffn")]
+    n_lin = sum(is_picompile_op(n.target, "tvm_linear") for n in prefill.graph.nodes)
+    assert n_lin > 0 and sum(is_picompile_op(n.target, "linear") for n in calls) == n_lin
+    weights = _gemm_weights(low)
+    assert weights and all(w.dtype == torch.bfloat16 for w in weights)
+    # one copy per distinct weight, equal to it within bfloat16 rounding
+    originals = {str(n.target): getattr(prefill, str(n.target)) for n in prefill.graph.nodes if n.op == "get_attr"}
+    copies = {str(n.target) for n in low.graph.nodes if n.op == "get_attr" and str(n.target).endswith("_bfloat16")}
+    assert len(copies) == len({id(w) for w in weights})
+    for name in copies:
+        src = originals[name.removesuffix("_bfloat16")]
+        torch.testing.assert_close(getattr(low, name).float(), src.float(), rtol=2 ** -8, atol=0)
+    # the graph it was made from is as it was, and so are the session's decode weights
+    assert [n.format_node() for n in prefill.graph.nodes] == before
+    lowered = {"tvm_linear": (1,), "tvm_sparse_ffn": (1, 3, 4)}
+    decode = [get_tensor(session.graph, n.args[p]) for n in session.graph.graph.nodes for name, ps in lowered.items()
+              if n.op == "call_function" and is_picompile_op(n.target, name) for p in ps if n.args[p] is not None]
+    assert decode and all(w.dtype == torch.float16 for w in decode)
+
+
+@needs_bf16
+@pytest.mark.parametrize("kind", ["float16", "float32"])
+def test_bfloat16_prefill_logits(f16_artifact: Path, artifacts: dict, kind: str) -> None:
+    """Prompt logits within bfloat16 rounding of the default prefill's (not equal to them: the GEMMs did
+    change dtype), the same top token nearly everywhere; decode then runs on the cache bf16 prefill wrote."""
+    art = f16_artifact if kind == "float16" else artifacts[("llama", "relu")]  # float32: aten.linear weights
+    default = picompile.load(art)
+    low = picompile.load(art, prefill_dtype="bfloat16")
+    assert low.prefill_dtype == "bfloat16" and default.prefill_dtype is None
+    want, got = default.logits(PROMPT), low.logits(PROMPT)  # [len(PROMPT), vocab]
+    rel = float((got - want).norm() / want.norm())
+    assert 0 < rel < 2e-2, rel
+    assert float((got.argmax(-1) == want.argmax(-1)).float().mean()) >= 0.9
+    # decode: one token after each prefill, close again (the caches differ by bfloat16 rounding only)
+    d_want, d_got = default.decoder(), low.decoder()
+    d_want.feed(PROMPT), d_got.feed(PROMPT)
+    step_want, step_got = d_want.feed([9]), d_got.feed([9])  # [1, vocab]
+    assert float((step_got - step_want).norm() / step_want.norm()) < 2e-2
+    assert len(low.generate(PROMPT, max_new_tokens=4)) == 4
+
+
+def test_bad_prefill_dtype_fails_before_loading(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    missing = tmp_path / "nothing.pic"
+    with pytest.raises(InputError, match="prefill_dtype must be one of bfloat16.*'float8'"):
+        picompile.load(missing, prefill_dtype="float8")  # the name fails first, not the missing artifact
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    with pytest.raises(InputError, match="AMX or AVX512-BF16"):
+        picompile.load(missing, prefill_dtype="bfloat16")
+
+
+def test_cli_run_prefill_dtype(f16_artifact: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from picompile.cli import main
+
+    if not HAS_BF16:
+        assert main(["run", str(f16_artifact), "--ids", "5,17,33", "-n", "3", "--prefill-dtype", "bfloat16"]) == 2
+        return
+    assert main(["run", str(f16_artifact), "--ids", "5,17,33", "-n", "3", "--json", "--prefill-dtype", "bfloat16"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["ids"]) == 3
