@@ -570,6 +570,9 @@ def run_bench(
         "weight_dtype": manifest.weights.get("dtype", "float32"),
     }
     if compile:
+        assert compiled is not None
+        result["native_kernel_calls"] = compiled.step_fn.native_calls  # per decode step, as C++ ops
+        result["native_reason"] = compiled.step_fn.native_reason
         result["same_tokens_as_eager"] = _common_prefix(engines[0].tokens, _by_name(engines, "picompile").tokens)
         result["eager_decode_tokens_per_s"] = rates["picompile"][1]
         result["eager_prefill_tokens_per_s"] = rates["picompile"][0]
@@ -666,8 +669,10 @@ def print_report(result: dict[str, Any], console: Any | None = None) -> None:
                       f"(default {result['prefill_speedup']:.2f}x); its prompt logits against the default's: relative "
                       f"error {agree['relative_error']:.1e}, top token equal at {agree['top1_agreement']:.0%} of positions")
     if result.get("compiled"):
-        console.print(f"compiled step: greedy tokens equal to the eager step's: first {result['same_tokens_as_eager']} "
-                      f"of {result['tokens'] + 1}")
+        native = (f"{result['native_kernel_calls']} kernel calls per decode step as C++ ops" if result["native_kernel_calls"]
+                  else f"kernel calls through Python ({result['native_reason']})")
+        console.print(f"compiled step: {native}; greedy tokens equal to the eager step's: first "
+                      f"{result['same_tokens_as_eager']} of {result['tokens'] + 1}")
     console.print(f"[dim]greedy tokens equal to PyTorch's: first {result['same_tokens_as_pytorch']} of "
                   f"{result['tokens'] + 1}; load average {result['load_average'][0]:.2f} → {result['load_average'][1]:.2f}"
                   f"{'; SYNTHETIC model' if result['synthetic'] else ''}[/dim]")

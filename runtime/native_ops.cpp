@@ -1,0 +1,133 @@
+// picompile_native: the one-token TVM kernel calls of a decode step as C++ torch ops.
+//
+// The Python ops (picompile.ops.tvm_linear / tvm_sparse_ffn / tvm_predict) turn a mask into row indices,
+// allocate the output and call the kernel through tvm_ffi's Python binding. Here the same work is done in
+// C++, and the kernel is called through the TVM-FFI C ABI (TVMFFIFunctionCall on the handle of the loaded
+// function), so a compiled decode step whose wrapper is C++ (inductor's cpp_wrapper) calls its kernels
+// without entering Python. Arguments go to the kernel in its PrimFunc order, optional ones left out.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <tvm/ffi/c_api.h>
+
+#include <map>
+#include <mutex>
+#include <vector>
+
+namespace {
+
+DLDataType dl_dtype(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DLDataType{kDLFloat, 32, 1};
+    case at::kHalf: return DLDataType{kDLFloat, 16, 1};
+    case at::kInt: return DLDataType{kDLInt, 32, 1};
+    case at::kChar: return DLDataType{kDLInt, 8, 1};
+    default: TORCH_CHECK(false, "picompile_native: unsupported dtype ", t.scalar_type());
+  }
+}
+
+// a contiguous, 64-byte aligned view of t (t itself in the usual case), as the kernels require
+at::Tensor aligned(const at::Tensor& t) {
+  at::Tensor c = t.contiguous();
+  if (reinterpret_cast<uintptr_t>(c.data_ptr()) % 64 == 0) return c;
+  at::Tensor out = at::empty(c.sizes(), c.options());  // CPU allocations are 64-byte aligned
+  return out.copy_(c);
+}
+
+void call(int64_t handle, const std::vector<at::Tensor>& args) {
+  std::vector<DLTensor> dl(args.size());
+  std::vector<TVMFFIAny> packed(args.size());
+  for (size_t i = 0; i < args.size(); ++i) {
+    const at::Tensor& t = args[i];
+    dl[i].data = t.data_ptr();
+    dl[i].device = DLDevice{kDLCPU, 0};
+    dl[i].ndim = static_cast<int32_t>(t.dim());
+    dl[i].dtype = dl_dtype(t);
+    dl[i].shape = const_cast<int64_t*>(t.sizes().data());
+    dl[i].strides = nullptr;  // compact row-major (every argument is contiguous)
+    dl[i].byte_offset = 0;
+    packed[i].type_index = kTVMFFIDLTensorPtr;
+    packed[i].zero_padding = 0;
+    packed[i].v_ptr = &dl[i];
+  }
+  TVMFFIAny result;
+  result.type_index = kTVMFFINone;
+  result.zero_padding = 0;
+  result.v_int64 = 0;
+  int rc = TVMFFIFunctionCall(reinterpret_cast<TVMFFIObjectHandle>(handle), packed.data(),
+                              static_cast<int32_t>(packed.size()), &result);
+  if (rc != 0) {
+    TVMFFIObjectHandle err = nullptr;
+    TVMFFIErrorMoveFromRaised(&err);
+    if (err != nullptr) TVMFFIObjectDecRef(err);
+    TORCH_CHECK(false, "picompile_native: the TVM kernel call failed (code ", rc, ")");
+  }
+}
+
+at::Tensor all_rows(int64_t n) {  // int32 [n]: 0..n-1, made once per n
+  static std::map<int64_t, at::Tensor> cache;
+  static std::mutex lock;
+  std::lock_guard<std::mutex> guard(lock);
+  auto it = cache.find(n);
+  if (it == cache.end()) it = cache.emplace(n, at::arange(n, at::TensorOptions().dtype(at::kInt))).first;
+  return it->second;
+}
+
+std::vector<int64_t> out_shape(const at::Tensor& x, int64_t n) {
+  std::vector<int64_t> s(x.sizes().begin(), x.sizes().end());
+  s.back() = n;
+  return s;
+}
+
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b, int64_t fn) {
+  TORCH_CHECK(x.numel() == x.size(-1), "picompile_native::gemv takes one token");
+  at::Tensor y = at::empty({w.size(0)}, x.options());  // [d_out]
+  call(fn, {aligned(x.reshape({-1})), w, all_rows(w.size(0)), y});
+  if (b.has_value()) y.add_(*b);
+  return y.view(out_shape(x, w.size(0)));
+}
+
+at::Tensor sparse_ffn(const at::Tensor& x, const at::Tensor& w_up, const std::optional<at::Tensor>& b_up,
+                      const std::optional<at::Tensor>& w_gate, const at::Tensor& w_down_t,
+                      const std::optional<at::Tensor>& mask, int64_t fn) {
+  const int64_t d = x.size(-1);
+  TORCH_CHECK(x.numel() == d, "picompile_native::sparse_ffn takes one token");
+  at::Tensor y = at::empty({d}, x.options());  // [d_model]
+  at::Tensor idx = mask.has_value() ? at::nonzero(mask->reshape({-1})).squeeze(1).to(at::kInt)
+                                    : all_rows(w_up.size(0));  // [k]
+  if (idx.numel() == 0) return y.zero_().view(x.sizes());
+  std::vector<at::Tensor> args{aligned(x.reshape({-1})), w_up};
+  if (w_gate.has_value()) args.push_back(*w_gate);
+  if (b_up.has_value()) args.push_back(*b_up);
+  args.push_back(w_down_t);
+  args.push_back(idx);
+  args.push_back(y);
+  call(fn, args);
+  return y.view(x.sizes());
+}
+
+at::Tensor predict(const at::Tensor& x, const at::Tensor& fc1, const at::Tensor& fc2,
+                   const std::optional<at::Tensor>& offset, const at::Tensor& thr, int64_t fn) {
+  TORCH_CHECK(x.numel() == x.size(-1), "picompile_native::predict takes one token");
+  at::Tensor mask = at::empty({fc2.size(0)}, x.options().dtype(at::kChar));  // [n_neurons], written 0/1
+  std::vector<at::Tensor> args{aligned(x.reshape({-1})), fc1, fc2};
+  if (offset.has_value()) args.push_back(*offset);
+  args.push_back(thr);
+  args.push_back(mask);
+  call(fn, args);
+  return mask.view(at::kBool).view(out_shape(x, fc2.size(0)));
+}
+
+}  // namespace
+
+TORCH_LIBRARY(picompile_native, m) {
+  m.def("gemv(Tensor x, Tensor w, Tensor? b, int fn) -> Tensor");
+  m.def("sparse_ffn(Tensor x, Tensor w_up, Tensor? b_up, Tensor? w_gate, Tensor w_down_t, Tensor? mask, int fn) -> Tensor");
+  m.def("predict(Tensor x, Tensor fc1, Tensor fc2, Tensor? offset, Tensor thr, int fn) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(picompile_native, CPU, m) {
+  m.impl("gemv", &gemv);
+  m.impl("sparse_ffn", &sparse_ffn);
+  m.impl("predict", &predict);
+}

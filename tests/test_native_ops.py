@@ -1,0 +1,103 @@
+"""picompile_native (runtime/native.py, native_ops.cpp): the compiled decode step's kernel calls as C++ ops.
+Each op gives its Python op's result on the same loaded kernel (masks with no active row included), the
+compiled step rewrites every CPU kernel call, and a library that cannot be built leaves the Python ops."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import picompile
+from picompile import ops
+from picompile.graph import get_tensor
+from picompile.ops import is_picompile_op
+from picompile.runtime import native
+
+PROMPT = [5, 17, 33, 4, 99, 120, 7]
+LOWERED = ("tvm_linear", "tvm_sparse_ffn", "tvm_predict")
+
+
+@pytest.fixture(scope="module")
+def session(checkpoints: dict, tmp_path_factory: pytest.TempPathFactory) -> picompile.Session:
+    out = tmp_path_factory.mktemp("native") / "f16.pic"
+    picompile.build(checkpoints[("llama", "relu")], output=out, weight_dtype="float16", calibration_tokens=256,
+                    max_seq_len=64, emit=lambda s: None, progress=False)
+    if native.load_library():
+        pytest.skip(f"picompile_native could not be built here: {native.load_library()}")
+    return picompile.load(out, hybrid="off")
+
+
+def _nodes(session: picompile.Session, name: str) -> list[torch.fx.Node]:
+    return [n for n in session.graph.graph.nodes if n.op == "call_function" and is_picompile_op(n.target, name)]
+
+
+def test_each_op_equals_its_python_op(session: picompile.Session) -> None:
+    gm = session.graph
+    g = torch.Generator().manual_seed(3)
+    nat = torch.ops.picompile_native
+    lin = _nodes(session, "tvm_linear")[0]
+    x = torch.randn(1, 1, get_tensor(gm, lin.args[1]).shape[1], generator=g)
+    w = get_tensor(gm, lin.args[1])
+    fn = native._handle(lin.args[3])
+    assert fn is not None
+    torch.testing.assert_close(nat.gemv(x, w, None, fn), ops.tvm_linear(x, w, None, lin.args[3]), rtol=0, atol=0)
+    bias = torch.randn(w.shape[0], generator=g)
+    torch.testing.assert_close(nat.gemv(x, w, bias, fn), ops.tvm_linear(x, w, bias, lin.args[3]), rtol=0, atol=0)
+
+    ffn = next(n for n in _nodes(session, "tvm_sparse_ffn") if n.args[10])
+    x_up, b_up, w_gate, w_down_t = (get_tensor(gm, a) if a is not None else None for a in ffn.args[1:5])
+    x = torch.randn(1, 1, x_up.shape[1], generator=g)
+    fn = native._handle(ffn.args[10])
+    for mask in (torch.rand(1, 1, x_up.shape[0], generator=g) < 0.2, torch.zeros(1, 1, x_up.shape[0], dtype=torch.bool), None):
+        want = ops.tvm_sparse_ffn(x, x_up, b_up, w_gate, w_down_t, mask, *ffn.args[6:12])
+        got = nat.sparse_ffn(x, x_up, b_up, w_gate, w_down_t, mask, fn)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    none_active = torch.zeros(1, 1, x_up.shape[0], dtype=torch.bool)  # k = 0: zeros, no kernel launch
+    assert not nat.sparse_ffn(x, x_up, b_up, w_gate, w_down_t, none_active, fn).any()
+
+    pred = _nodes(session, "tvm_predict")[0]
+    a = native._bound(pred, ops.tvm_predict)
+    fc1, fc2 = get_tensor(gm, a["fc1"]), get_tensor(gm, a["fc2"])
+    offset = get_tensor(gm, a["offset"]) if a["offset"] is not None else None
+    x = torch.randn(1, 1, fc1.shape[1], generator=g)
+    want = ops.tvm_predict(x, fc1, fc2, a["threshold"], a["layer"], a["kernel1"], a["kernel2"], a["act"], offset)
+    got = nat.predict(x, fc1, fc2, offset, ops._threshold(a["threshold"]), native._handle(a["kernel1"]))
+    assert got.dtype == torch.bool and torch.equal(got, want) and 0 < int(got.sum()) < got.numel()
+
+
+def test_compiled_decode_graph_is_native(session: picompile.Session) -> None:
+    from picompile.runtime.compile import _opaque_copy
+
+    decode = _opaque_copy(session.graph)
+    n = native.to_native(decode)
+    calls = [node for node in decode.graph.nodes if node.op == "call_function"]
+    # every lowered call with a CPU kernel and rows became native; none is left
+    assert not [c for c in calls if any(is_picompile_op(c.target, op) for op in LOWERED)]
+    assert n == sum(str(c.target).startswith("picompile_native.") for c in calls)
+    assert n == sum(len(_nodes(session, op)) for op in LOWERED) - sum(
+        get_tensor(session.graph, f.args[1]).shape[0] == 0 for f in _nodes(session, "tvm_sparse_ffn"))
+    # and it decodes as the eager graph does (the compiled step: test_compile.py)
+    with torch.inference_mode():
+        want = session.graph(torch.tensor([[9]]), *session.empty_past())[0]
+        got = decode(torch.tensor([[9]]), *session.empty_past())[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_session_uses_native_ops(session: picompile.Session) -> None:
+    compiled = picompile.load(session.root, hybrid="off", compile=True)
+    assert compiled.step_fn.native_calls > 0 and compiled.step_fn.native_reason == ""
+    eager = picompile.load(session.root, hybrid="off")
+    assert compiled.generate(PROMPT, max_new_tokens=6) == eager.generate(PROMPT, max_new_tokens=6)
+
+
+def test_unbuildable_library_leaves_python_ops(session: picompile.Session, monkeypatch: pytest.MonkeyPatch,
+                                               tmp_path: Path) -> None:
+    monkeypatch.setattr(native, "_STATE", {})
+    monkeypatch.setattr(native, "SOURCE", tmp_path / "missing.cpp")
+    reason = native.load_library()
+    assert reason and native.load_library() == reason  # the reason, remembered (one attempt per process)
+    compiled = picompile.load(session.root, hybrid="off", compile=True)
+    assert compiled.step_fn.native_calls == 0 and compiled.step_fn.native_reason
+    eager = picompile.load(session.root, hybrid="off")
+    assert compiled.generate(PROMPT, max_new_tokens=4) == eager.generate(PROMPT, max_new_tokens=4)
