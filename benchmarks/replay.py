@@ -32,6 +32,7 @@ from picompile.bench import copy_bandwidth
 from picompile.errors import PicompileError
 from picompile.kernels.loader import CALL_ARGS
 from picompile.ops import KERNEL_TABLE
+from picompile.runtime import Session
 
 
 Call = tuple[Any, tuple[Any, ...]]  # (loaded kernel, its arguments)
@@ -99,16 +100,24 @@ def recording(log: Log) -> Iterator[None]:
         KERNEL_TABLE.update(saved)
 
 
-def measure(session: picompile.Session, prompt_len: int = 64, steps: int = 8, rounds: int = 7) -> dict[str, Any]:
+def measure(session: Session, prompt_len: int = 64, steps: int = 8, rounds: int = 7) -> dict[str, Any]:
     """Record ``steps`` greedy decode steps' kernel calls, then time in interleaved rounds: the steps, the
     calls replayed back to back, and the steps with each call timed. Seconds per step, medians."""
     log = Log()
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, session.vocab_size, (prompt_len,), generator=gen).tolist()
-    dec = session.decoder()  # as generate runs (the KV cache in place)
-    first = int(dec.feed(prompt)[-1].argmax())
+    # a compiled step whose kernel calls are C++ ops (runtime/native.py) calls them past KERNEL_TABLE: its
+    # calls are recorded from the eager step on the same weights (the same calls), and cannot be timed
+    # one by one inside it
+    native = int(getattr(getattr(session, "step_fn", None), "native_calls", 0) or 0) > 0
+    recorded = Session(session.root, session.manifest, session.graph, session.tokenizer) if native else session
+    decs = {id(s): s.decoder() for s in (session, recorded)}  # as generate runs (the KV cache in place)
+    first = int(decs[id(session)].feed(prompt)[-1].argmax())
+    if native:
+        decs[id(recorded)].feed(prompt)
 
-    def decode() -> None:
+    def decode(of: Session = session) -> None:
+        dec = decs[id(of)]
         dec.truncate(prompt_len)  # the same steps every time
         tok = first
         for _ in range(steps):
@@ -133,17 +142,18 @@ def measure(session: picompile.Session, prompt_len: int = 64, steps: int = 8, ro
 
     with recording(log):
         decode()  # warm-up (and the compile, for a compiled session)
+        decode(recorded)
         log.on = True
-        decode()
+        decode(recorded)
         log.on = False
         if not log.calls:
             raise SystemExit("no TVM kernel ran in a decode step: build the artifact with --weight-dtype float16 "
                              "(float32 linear layers run in torch, and only the FFN parts would be counted)")
         src, dst = torch.ones(64 << 20), torch.empty(64 << 20)  # 256 MiB, far beyond the caches
-        times: dict[str, list[float]] = {"step": [], "replay": [], "in_step": []}
+        times: dict[str, list[float]] = {"step": [], "replay": [], **({} if native else {"in_step": []})}
         bw: list[float] = []
         for i in range(rounds):
-            for what in (("step", "replay", "in_step") if i % 2 == 0 else ("in_step", "replay", "step")):
+            for what in (list(times) if i % 2 == 0 else list(times)[::-1]):
                 if what == "in_step":  # a step with each kernel call timed: the kernels' share inside it
                     log.timing, log.seconds, log.by_group = True, 0.0, {}
                     decode()
@@ -156,6 +166,8 @@ def measure(session: picompile.Session, prompt_len: int = 64, steps: int = 8, ro
                 t0 = time.perf_counter()
                 decode() if what == "step" else replay()
                 times[what].append((time.perf_counter() - t0) / steps)
+            if native:  # the calls back to back, each timed (done with the in-step timing otherwise)
+                replay(by_group=True)
             bw.append(copy_bandwidth(src, dst))
     groups: dict[str, dict[str, float]] = {}
     for kern, a in log.calls:
@@ -163,7 +175,7 @@ def measure(session: picompile.Session, prompt_len: int = 64, steps: int = 8, ro
         g["calls"] += 1 / steps
         g["bytes"] += weight_bytes(kern, a) / steps
     for g, row in groups.items():
-        row["in_step_s"] = statistics.median(step_groups[g])
+        row["in_step_s"] = statistics.median(step_groups[g]) if g in step_groups else None
         row["replay_s"] = statistics.median(replay_groups[g])
     return {
         "calls_per_step": len(log.calls) / steps,
@@ -173,6 +185,7 @@ def measure(session: picompile.Session, prompt_len: int = 64, steps: int = 8, ro
         "rounds": times,
         **{f"{k}_s": statistics.median(v) for k, v in times.items()},
         "copy_gbps": statistics.median(bw) / 1e9,
+        "native": native,
     }
 
 
@@ -193,23 +206,28 @@ def main() -> None:
         print(f"note: {args.artifact} has {session.manifest.weights.get('dtype')} weights: its linear layers run in "
               "torch (only float16 ones are TVM GEMVs), so they count under 'everything else' below")
     r = measure(session, args.prompt_len, args.steps, args.rounds)
-    step, rep, inside, nbytes, gbps = r["step_s"], r["replay_s"], r["in_step_s"], r["bytes_per_step"], r["copy_gbps"]
+    step, rep, nbytes, gbps = r["step_s"], r["replay_s"], r["bytes_per_step"], r["copy_gbps"]
+    inside = r.get("in_step_s")  # None: the step's kernel calls are C++ ops, not timed one by one
     print(f"{args.artifact}: {r['calls_per_step']:.0f} kernel calls per step, {nbytes / 1e9:.3f} GB of weights per step"
-          f"{' (compiled step)' if args.compile else ''}")
+          f"{' (compiled step)' if args.compile else ''}{' (its kernel calls are C++ ops)' if r['native'] else ''}")
     print(f"  decode step          {step * 1e3:7.1f} ms   {1 / step:6.2f} tok/s   {nbytes / step / 1e9:5.1f} GB/s")
     print(f"  its kernels alone    {rep * 1e3:7.1f} ms   {1 / rep:6.2f} tok/s   {nbytes / rep / 1e9:5.1f} GB/s"
           "   (replayed back to back)")
-    print(f"  the kernels in it    {inside * 1e3:7.1f} ms   (timed call by call inside a step: "
-          f"{(inside - rep) * 1e3:+.1f} ms against back to back)")
-    print(f"  everything else      {(step - inside) * 1e3:7.1f} ms   (glue, dispatch, mask handling: "
-          f"{100 * (step - inside) / step:.0f} % of the step)")
+    if inside is not None:
+        print(f"  the kernels in it    {inside * 1e3:7.1f} ms   (timed call by call inside a step: "
+              f"{(inside - rep) * 1e3:+.1f} ms against back to back)")
+    kern = inside if inside is not None else rep
+    print(f"  everything else      {(step - kern) * 1e3:7.1f} ms   (glue, dispatch, mask handling: "
+          f"{100 * (step - kern) / step:.0f} % of the step{'' if inside is not None else '; against the replay'})")
     print(f"  copy bandwidth       {gbps:7.1f} GB/s (read + write; bound {gbps * 1e9 / nbytes:.2f} tok/s)")
     print(f"  {'kernel (kind rows x d)':<26} {'calls':>6} {'MB':>8} {'in step ms':>11} {'GB/s':>6} {'replayed ms':>12} {'GB/s':>6}")
-    for g, row in sorted(r["groups"].items(), key=lambda kv: -kv[1]["in_step_s"]):
-        print(f"  {g:<26} {row['calls']:6.0f} {row['bytes'] / 1e6:8.1f} {row['in_step_s'] * 1e3:11.2f} "
-              f"{row['bytes'] / row['in_step_s'] / 1e9:6.1f} {row['replay_s'] * 1e3:12.2f} {row['bytes'] / row['replay_s'] / 1e9:6.1f}")
-    print("  rounds (ms, step / replayed / kernels in it): "
-          + ", ".join(f"{a * 1e3:.1f}/{b * 1e3:.1f}/{c * 1e3:.1f}" for a, b, c in zip(*r["rounds"].values())))
+    for g, row in sorted(r["groups"].items(), key=lambda kv: -kv[1]["replay_s"]):
+        ins = row["in_step_s"]
+        cells = f"{ins * 1e3:11.2f} {row['bytes'] / ins / 1e9:6.1f}" if ins is not None else f"{'-':>11} {'-':>6}"
+        print(f"  {g:<26} {row['calls']:6.0f} {row['bytes'] / 1e6:8.1f} {cells} "
+              f"{row['replay_s'] * 1e3:12.2f} {row['bytes'] / row['replay_s'] / 1e9:6.1f}")
+    print(f"  rounds (ms, {' / '.join(r['rounds'])}): "
+          + ", ".join("/".join(f"{v * 1e3:.1f}" for v in vals) for vals in zip(*r["rounds"].values())))
 
 
 if __name__ == "__main__":
