@@ -50,3 +50,13 @@ def artifacts(checkpoints: dict[tuple[str, str], Path], tmp_path_factory: pytest
 
     root = tmp_path_factory.mktemp("art")
     return {key: picompile.build(path, output=root / f"{key[0]}_{key[1]}.pic", pipeline="dense") for key, path in checkpoints.items()}
+
+
+@pytest.fixture(scope="session")
+def f16_cpu_artifact(checkpoints: dict[tuple[str, str], Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """llama-relu, trained predictors, float16 weights, TVM kernels (GEMVs, sparse FFNs, predictors), target cpu."""
+    import picompile
+
+    out = tmp_path_factory.mktemp("f16") / "f16.pic"
+    return picompile.build(checkpoints[("llama", "relu")], output=out, weight_dtype="float16", calibration_tokens=256,
+                           max_seq_len=64, emit=lambda s: None, progress=False)

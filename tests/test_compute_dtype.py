@@ -23,11 +23,8 @@ WEIGHT_ARGS = {"linear": (1,), "sparse_ffn": (1, 3, 4), "ffn": (1, 3, 4)}
 
 
 @pytest.fixture(scope="module")
-def f16_artifact(checkpoints: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """llama-relu, trained predictors, float16 weights, TVM kernels (GEMVs and sparse FFNs)."""
-    out = tmp_path_factory.mktemp("compute_dtype") / "f16.pic"
-    return picompile.build(checkpoints[("llama", "relu")], output=out, weight_dtype="float16", calibration_tokens=256,
-                           max_seq_len=64, emit=lambda s: None, progress=False)
+def f16_artifact(f16_cpu_artifact: Path) -> Path:
+    return f16_cpu_artifact
 
 
 def _gemm_weights(gm: torch.fx.GraphModule) -> list[torch.Tensor]:

@@ -14,18 +14,14 @@ from picompile.graph import get_tensor
 from picompile.ops import is_picompile_op
 from picompile.runtime import native
 
-PROMPT = [5, 17, 33, 4, 99, 120, 7]
 LOWERED = ("tvm_linear", "tvm_sparse_ffn", "tvm_predict")
 
 
 @pytest.fixture(scope="module")
-def session(checkpoints: dict, tmp_path_factory: pytest.TempPathFactory) -> picompile.Session:
-    out = tmp_path_factory.mktemp("native") / "f16.pic"
-    picompile.build(checkpoints[("llama", "relu")], output=out, weight_dtype="float16", calibration_tokens=256,
-                    max_seq_len=64, emit=lambda s: None, progress=False)
+def session(f16_cpu_artifact: Path) -> picompile.Session:
     if native.load_library():
         pytest.skip(f"picompile_native could not be built here: {native.load_library()}")
-    return picompile.load(out, hybrid="off")
+    return picompile.load(f16_cpu_artifact, hybrid="off")
 
 
 def _nodes(session: picompile.Session, name: str) -> list[torch.fx.Node]:
@@ -85,10 +81,10 @@ def test_compiled_decode_graph_is_native(session: picompile.Session) -> None:
 
 
 def test_compiled_session_uses_native_ops(session: picompile.Session) -> None:
+    """The rewrite happens as the session is made (the compilation itself waits for the first step; the
+    compiled step's tokens against the eager step's: test_compile.py, which runs these ops)."""
     compiled = picompile.load(session.root, hybrid="off", compile=True)
     assert compiled.step_fn.native_calls > 0 and compiled.step_fn.native_reason == ""
-    eager = picompile.load(session.root, hybrid="off")
-    assert compiled.generate(PROMPT, max_new_tokens=6) == eager.generate(PROMPT, max_new_tokens=6)
 
 
 def test_unbuildable_library_leaves_python_ops(session: picompile.Session, monkeypatch: pytest.MonkeyPatch,
@@ -97,7 +93,5 @@ def test_unbuildable_library_leaves_python_ops(session: picompile.Session, monke
     monkeypatch.setattr(native, "SOURCE", tmp_path / "missing.cpp")
     reason = native.load_library()
     assert reason and native.load_library() == reason  # the reason, remembered (one attempt per process)
-    compiled = picompile.load(session.root, hybrid="off", compile=True)
-    assert compiled.step_fn.native_calls == 0 and compiled.step_fn.native_reason
-    eager = picompile.load(session.root, hybrid="off")
-    assert compiled.generate(PROMPT, max_new_tokens=4) == eager.generate(PROMPT, max_new_tokens=4)
+    compiled = picompile.load(session.root, hybrid="off", compile=True)  # the Python ops (test_compile.py runs them)
+    assert compiled.step_fn.native_calls == 0 and compiled.step_fn.native_reason == reason

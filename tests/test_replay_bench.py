@@ -24,11 +24,8 @@ def _replay_module():
 
 
 @pytest.fixture(scope="module")
-def session(checkpoints: dict, tmp_path_factory: pytest.TempPathFactory) -> picompile.Session:
-    out = tmp_path_factory.mktemp("replay") / "f16.pic"
-    picompile.build(checkpoints[("llama", "relu")], output=out, weight_dtype="float16", calibration_tokens=256,
-                    max_seq_len=64, emit=lambda s: None, progress=False)
-    return picompile.load(out, hybrid="off")  # the FFN parts as graph nodes, to count them
+def session(f16_cpu_artifact: Path) -> picompile.Session:
+    return picompile.load(f16_cpu_artifact, hybrid="off")  # the FFN parts as graph nodes, to count them
 
 
 def test_replay_records_every_kernel_call(session: picompile.Session) -> None:
