@@ -73,6 +73,20 @@ at::Tensor all_rows(int64_t n) {  // int32 [n]: 0..n-1, made once per n
   return it->second;
 }
 
+at::Tensor rows_of(const at::Tensor& mask) {  // int32 [k]: the positions of the true entries, in order
+  at::Tensor m = mask.reshape({-1}).contiguous();
+  const bool* p = m.data_ptr<bool>();
+  const int64_t n = m.numel();
+  at::Tensor idx = at::empty({n}, at::TensorOptions().dtype(at::kInt));
+  int32_t* out = idx.data_ptr<int32_t>();
+  int64_t k = 0;
+  for (int64_t i = 0; i < n; ++i) {  // branchless: write every position, advance past the active ones
+    out[k] = static_cast<int32_t>(i);
+    k += p[i] ? 1 : 0;
+  }
+  return idx.slice(0, 0, k);  // contiguous, starting where idx does (aligned)
+}
+
 std::vector<int64_t> out_shape(const at::Tensor& x, int64_t n) {
   std::vector<int64_t> s(x.sizes().begin(), x.sizes().end());
   s.back() = n;
@@ -93,8 +107,7 @@ at::Tensor sparse_ffn(const at::Tensor& x, const at::Tensor& w_up, const std::op
   const int64_t d = x.size(-1);
   TORCH_CHECK(x.numel() == d, "picompile_native::sparse_ffn takes one token");
   at::Tensor y = at::empty({d}, x.options());  // [d_model]
-  at::Tensor idx = mask.has_value() ? at::nonzero(mask->reshape({-1})).squeeze(1).to(at::kInt)
-                                    : all_rows(w_up.size(0));  // [k]
+  at::Tensor idx = mask.has_value() ? rows_of(*mask) : all_rows(w_up.size(0));  // [k]
   if (idx.numel() == 0) return y.zero_().view(x.sizes());
   std::vector<at::Tensor> args{aligned(x.reshape({-1})), w_up};
   if (w_gate.has_value()) args.push_back(*w_gate);
