@@ -456,9 +456,7 @@ def run_bench(
     low = None
     if prefill_dtype is not None:  # the same step with the prompt's GEMMs in prefill_dtype, beside the default
         from picompile.runtime import Session
-        from picompile.runtime.compute_dtype import resolve
 
-        resolve(prefill_dtype)
         low = Session(session.root, manifest, session.graph, session.tokenizer, compile=compile,
                       prefill_dtype=prefill_dtype)
         engines.insert(1, session_engine(f"picompile-{prefill_dtype}-prefill",

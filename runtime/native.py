@@ -88,6 +88,7 @@ def to_native(gm: fx.GraphModule) -> int:
 
     native = torch.ops.picompile_native
     count = 0
+    thresholds: dict[float, fx.Node] = {}  # one float32 [1] buffer per threshold value, as ops._threshold keeps
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
             continue
@@ -107,11 +108,13 @@ def to_native(gm: fx.GraphModule) -> int:
             a = _bound(node, ops.tvm_predict)
             fn = _handle(str(a["kernel1"]))
             if fn is not None and not a["kernel2"]:  # one kernel for the whole predictor
-                attr = f"native_threshold_{count}"
-                gm.register_buffer(attr, _threshold(float(a["threshold"])), persistent=False)  # type: ignore[arg-type]
-                with gm.graph.inserting_before(node):
-                    thr = gm.graph.get_attr(attr)
-                new = (native.predict.default, (a["x"], a["fc1"], a["fc2"], a["offset"], thr, fn))
+                value = float(a["threshold"])  # type: ignore[arg-type]
+                if value not in thresholds:
+                    attr = f"native_threshold_{len(thresholds)}"
+                    gm.register_buffer(attr, _threshold(value), persistent=False)
+                    with gm.graph.inserting_before(next(n for n in gm.graph.nodes if n.op != "placeholder")):
+                        thresholds[value] = gm.graph.get_attr(attr)
+                new = (native.predict.default, (a["x"], a["fc1"], a["fc2"], a["offset"], thresholds[value], fn))
         if new is None:
             continue
         node.target, node.args, node.kwargs = new[0], new[1], {}
