@@ -97,7 +97,8 @@ def _opaque_copy(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)  # its buffers are gm's tensors
 
 
-def compile_step(gm: fx.GraphModule, prefill_gm: fx.GraphModule | None = None, native: bool = True) -> StepFn:
+def compile_step(gm: fx.GraphModule, prefill_gm: fx.GraphModule | None = None, native: bool = True,
+                 matmul_attention: bool = True) -> StepFn:
     """The compiled step of a loaded graph ``gm`` (several tokens: of ``prefill_gm`` when given, e.g. the same
     graph without neuron masks), which is left as it is (the graph to inspect and interpret); the compiled
     copies share its weights."""
@@ -119,6 +120,10 @@ def compile_step(gm: fx.GraphModule, prefill_gm: fx.GraphModule | None = None, n
         native_reason = load_library()
         if not native_reason:
             native_calls = to_native(decode_gm)
+    if matmul_attention:  # torch's flash-attention call costs more than the two tiny GEMMs (runtime/decode_attention.py)
+        from picompile.runtime.decode_attention import rewrite_attention
+
+        rewrite_attention(decode_gm)
     decode = torch.compile(decode_gm, dynamic=True, options={"cpp.threads": 1, "cpp_wrapper": True})
 
     def step(ids: Tensor, *past: Tensor) -> tuple[Tensor, ...]:

@@ -39,6 +39,8 @@ def test_lowered_graph_matches_reference(key: tuple[str, str], mode: str, checkp
     ops = count_ops(gm)
     L = ctx.info.n_layers
     assert ops.get("picompile::sparse_ffn", 0) == 0 and ops["picompile::tvm_sparse_ffn"] == 2 * L
+    # float32 predictors too: one kernel call each instead of torch's GEMVs
+    assert ops.get("picompile::predict", 0) == 0 and ops.get("picompile::tvm_predict", 0) == (L if mode == "trained" else 0)
     entries = ctx.manifest_extra["kernels"]
     targets = sorted({e["spec"]["target"] for e in entries})
     assert targets == ["cuda:sm_89", "llvm"]  # CPU kernels for both parts, CUDA for the hot part
