@@ -41,6 +41,7 @@ def test_compiled_step_matches_eager(f16_artifact: Path, hybrid: str) -> None:
     compiled = picompile.load(f16_artifact, hybrid=hybrid, compile=True)
     assert compiled.compiled and not eager.compiled
     assert compiled.hybrid_mode == eager.hybrid_mode == hybrid
+    assert compiled.step_fn.attention_rewrites == 2  # decode attention as matmuls, one per layer
     if hybrid == "thread":  # the session's graph keeps its schedulers (the compiled copy wraps them)
         assert sum(isinstance(n.target, HybridFFN) for n in compiled.graph.graph.nodes) == 2
     torch._dynamo.reset()
