@@ -55,7 +55,9 @@ def test_trained_build_reports_layers(checkpoints: dict, tmp_path: Path, capsys:
     assert len(session.generate(PROMPT, 8, stop_at_eos=False)) == 8
     # the same artifact with every neuron computed is the exact dense model
     dense = picompile.load(out, dense=True)
-    assert "picompile::predict" in count_ops(session.graph) and "picompile::predict" not in count_ops(dense.graph)
+    ops, dense_ops = count_ops(session.graph), count_ops(dense.graph)
+    assert ops.get("picompile::tvm_predict") == 2 and "picompile::predict" not in ops  # float32: the TVM kernel too
+    assert not {"picompile::predict", "picompile::tvm_predict"} & set(dense_ops)
     model = AutoModelForCausalLM.from_pretrained(checkpoints[("llama", "relu")], dtype=torch.float32).eval()
     with torch.no_grad():
         ref = model(torch.tensor([PROMPT])).logits[0]
