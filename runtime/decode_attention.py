@@ -33,9 +33,16 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scal
     return out.reshape(b, hq, s, e)
 
 
-def _rewritable(node: fx.Node) -> str:
-    """Why ``node`` (an sdpa call) cannot be rewritten ("" when it can)."""
-    args = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal"), node.args), **node.kwargs)
+SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")  # aten's positional order
+
+
+def _args(node: fx.Node) -> dict[str, Any]:
+    """An sdpa node's arguments by name (positional and keyword alike)."""
+    return dict(zip(SDPA_ARGS, node.args), **node.kwargs)
+
+
+def _why_not(args: dict[str, Any]) -> str:
+    """Why an sdpa call with these arguments cannot be rewritten ("" when it can)."""
     if args.get("dropout_p", 0.0) or args.get("is_causal", False):
         return "dropout or is_causal"
     shapes = [a.meta.get("val") for a in (args["query"], args["key"]) if isinstance(a, fx.Node)]
@@ -47,12 +54,17 @@ def _rewritable(node: fx.Node) -> str:
 
 
 def rewrite_attention(gm: fx.GraphModule) -> int:
-    """Replace every rewritable sdpa node of ``gm`` by ``grouped_attention``; returns how many were."""
-    count = 0
+    """Replace every rewritable sdpa node of ``gm`` by ``grouped_attention``; returns how many were. The
+    others stay, each with the reason in ``gm.meta["attention_left"]`` (node name → why)."""
+    count, left = 0, {}
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not SDPA or _rewritable(node):
+        if node.op != "call_function" or node.target is not SDPA:
             continue
-        args: dict[str, Any] = dict(zip(("query", "key", "value", "attn_mask"), node.args), **node.kwargs)
+        args = _args(node)
+        why = _why_not(args)
+        if why:
+            left[node.name] = why
+            continue
         with gm.graph.inserting_before(node):
             new = gm.graph.call_function(grouped_attention, (args["query"], args["key"], args["value"],
                                                              args.get("attn_mask"), args.get("scale")))
@@ -60,5 +72,6 @@ def rewrite_attention(gm: fx.GraphModule) -> int:
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
         count += 1
+    gm.meta["attention_left"] = left
     gm.recompile()
     return count

@@ -22,11 +22,6 @@ needs_bf16 = pytest.mark.skipif(not HAS_BF16, reason="this CPU has neither AMX n
 WEIGHT_ARGS = {"linear": (1,), "sparse_ffn": (1, 3, 4), "ffn": (1, 3, 4)}
 
 
-@pytest.fixture(scope="module")
-def f16_artifact(f16_cpu_artifact: Path) -> Path:
-    return f16_cpu_artifact
-
-
 def _gemm_weights(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
     """The weights every linear / FFN op of ``gm`` reads."""
     out = []
@@ -37,8 +32,8 @@ def _gemm_weights(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
     return out
 
 
-def test_rewrite_structure(f16_artifact: Path) -> None:
-    session = picompile.load(f16_artifact, hybrid="off")
+def test_rewrite_structure(f16_cpu_artifact: Path) -> None:
+    session = picompile.load(f16_cpu_artifact, hybrid="off")
     prefill = without_masks(session.graph)
     before = [n.format_node() for n in prefill.graph.nodes]
     low = with_compute_dtype(prefill, torch.bfloat16)
@@ -66,10 +61,10 @@ def test_rewrite_structure(f16_artifact: Path) -> None:
 
 @needs_bf16
 @pytest.mark.parametrize("kind", ["float16", "float32"])
-def test_bfloat16_prefill_logits(f16_artifact: Path, artifacts: dict, kind: str) -> None:
+def test_bfloat16_prefill_logits(f16_cpu_artifact: Path, artifacts: dict, kind: str) -> None:
     """Prompt logits within bfloat16 rounding of the default prefill's (not equal to them: the GEMMs did
     change dtype), the same top token nearly everywhere; decode then runs on the cache bf16 prefill wrote."""
-    art = f16_artifact if kind == "float16" else artifacts[("llama", "relu")]  # float32: aten.linear weights
+    art = f16_cpu_artifact if kind == "float16" else artifacts[("llama", "relu")]  # float32: aten.linear weights
     default = picompile.load(art)
     low = picompile.load(art, prefill_dtype="bfloat16")
     assert low.prefill_dtype == "bfloat16" and default.prefill_dtype is None
@@ -95,13 +90,14 @@ def test_bad_prefill_dtype_fails_before_loading(tmp_path: Path, monkeypatch: pyt
         picompile.load(missing, prefill_dtype="bfloat16")
 
 
-def test_cli_run_prefill_dtype(f16_artifact: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_run_prefill_dtype(f16_cpu_artifact: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
     from picompile.cli import main
 
     if not HAS_BF16:
-        assert main(["run", str(f16_artifact), "--ids", "5,17,33", "-n", "3", "--prefill-dtype", "bfloat16"]) == 2
+        assert main(["run", str(f16_cpu_artifact), "--ids", "5,17,33", "-n", "3", "--prefill-dtype", "bfloat16"]) == 2
         return
-    assert main(["run", str(f16_artifact), "--ids", "5,17,33", "-n", "3", "--json", "--prefill-dtype", "bfloat16"]) == 0
+    assert main(["run", str(f16_cpu_artifact), "--ids", "5,17,33", "-n", "3", "--json",
+                 "--prefill-dtype", "bfloat16"]) == 0
     assert len(json.loads(capsys.readouterr().out)["ids"]) == 3
