@@ -249,10 +249,21 @@ def test_cpu_schedule_streams_rows(kind: str, batched: bool) -> None:
     assert 'scope="local"' not in text
     assert "T.unroll(64)" not in text and "T.unroll(2)" in text  # tree, not a 64-add chain
     streams = {"up": 1, "up_gated": 2, "ffn_relu": 2, "ffn_gated": 3}[kind]  # weight matrices read
+    skips = kind.startswith("ffn") and not batched  # one token: a row whose ReLU is 0 skips the rest
+    guard = {"ffn_relu": "if h[p, rj] != T.float32(0.0):", "ffn_gated": "if not gate[p, rj] <= T.float32(0.0):"}
+    if skips:  # rows whose ReLU is 0 skip the rest, and the next row's prefetch waits for its gate (relu: h)
+        assert guard[kind] in text
+        decider = "gate" if kind == "ffn_gated" else "h"
+        assert f"if not gate[p, T.min(rj + 1," in text if kind == "ffn_gated" else f"if {decider}[p, T.min(rj + 1," in text
     assert text.count("llvm.prefetch") == streams * 2  # 64 fp16 lanes per iteration = 2 cache lines
     assert "k - 1)" in text  # the next-row index is clamped
     plain = cpu.schedule(desc, spec, dataclasses.replace(params, prefetch=False)).script()
     assert "llvm.prefetch" not in plain
+    whole = cpu.schedule(desc, spec, dataclasses.replace(params, skip_inactive=False)).script()
+    assert not any(g in whole for g in guard.values())
+    if kind.startswith("ffn"):
+        full = {"ffn_relu": 2, "ffn_gated": 3}[kind]
+        assert whole.count("llvm.prefetch") == full * 2
 
 
 def test_dense_fallback_matches_reference() -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import picompile
-from picompile.bench import REQUIRED_KEYS, llama_cpp_engine, weight_bytes
+from picompile.bench import REQUIRED_KEYS, llama_cpp_engine, measured_active, weight_bytes
 from picompile.cli import main
 from picompile.profile_stats import locality
 from picompile.synthetic import (
@@ -118,6 +118,15 @@ def test_bench_bytes_dense_graph_counts_every_row(tiny_artifact: Path) -> None:
     assert dense["ffn"] == dense["ffn_full"] == 2 * 3 * 1024 * 128 * 4  # 2 layers, up/gate/down, float32
     half = weight_bytes(session.graph, {0: 0.5, 1: 0.5})
     assert half["ffn"] < dense["ffn"]
+    # the TVM kernel reads up and down rows only for selected neurons that fire: gate at 1/2, up + down at 1/4
+    fired = weight_bytes(session.graph, {0: 0.5, 1: 0.5}, {0: 0.25, 1: 0.25})
+    assert fired["ffn"] == pytest.approx(half["ffn"] * (0.5 + 2 * 0.25) / (3 * 0.5), rel=1e-6)
+    assert fired["other"] == half["other"]
+    # oracle masks select exactly the neurons that fire
+    prompt = list(range(3, 19))
+    active, firing = measured_active(session, prompt, 3)
+    assert set(active) == set(firing) == {0, 1}
+    assert all(0 < firing[i] <= active[i] and firing[i] == pytest.approx(active[i], abs=0.01) for i in active)
 
 
 def test_bench_user_errors(tiny_artifact: Path, capsys: pytest.CaptureFixture[str]) -> None:
