@@ -74,8 +74,11 @@ def default_params(spec: KernelSpec, cores: int | None = None) -> CpuSchedulePar
     segment of every selected row per task streams best), at most 4096 elements."""
     d = spec.d_model
     cores = cores or build_cores()
-    # 64 float32 lanes = 4 independent AVX-512 accumulators (8 with AVX2): hides the FMA latency
-    up_lanes = _largest_divisor(d, (64, 32, 16, 8, 4, 2))
+    # 64 float32 lanes = 4 independent AVX-512 accumulators (8 with AVX2): hides the FMA latency.
+    # The float16 GEMV (kind up over all rows) streams faster with 32 (one cache line per iteration):
+    # 1B shapes, measured: 2048 and 2560 rows +10 %, 5632 rows +6 %, 32000 rows equal
+    narrow = spec.weight_dtype == "float16" and spec.kind in ("up", "up_gated")
+    up_lanes = _largest_divisor(d, (32, 16, 8, 4, 2) if narrow else (64, 32, 16, 8, 4, 2))
     down_lanes = _largest_divisor(d, (64, 32, 16, 8, 4, 2))
     sizes = (4096, 2048, 1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1)
     candidates = [c for c in sizes if c % down_lanes == 0 and d % c == 0]
@@ -394,7 +397,7 @@ def _schedule_partitioned(
     return plan, (rj_var, part_var) if skip else None
 
 
-def _schedule_predict(sch: s_tir.Schedule, spec: KernelSpec) -> None:
+def _schedule_predict(sch: s_tir.Schedule, spec: KernelSpec, max_lanes: int = 64) -> None:
     """Kind ``predict``: two parallel regions in one call, each a dense GEMV scheduled like ``_schedule_up``
     (parallel over rows; per row a vectorised rfactor-ed dot product with a halving lane-sum tree), fc1
     over its ``rank`` rows then fc2 over its ``n_rows`` rows; the activation and the threshold test are
@@ -402,7 +405,7 @@ def _schedule_predict(sch: s_tir.Schedule, spec: KernelSpec) -> None:
     stages = (("up", "h", spec.d_model), ("score", "mask", spec.rank))
     trees = {}
     for dot, _, length in stages:  # every rfactor at the root, before any compute_at (see _schedule_up)
-        lanes = _largest_divisor(length, (64, 32, 16, 8, 4, 2))
+        lanes = _largest_divisor(length, tuple(c for c in (64, 32, 16, 8, 4, 2) if c <= max_lanes))
         if lanes > 1:
             trees[dot] = _rfactor_tree(sch, dot, lanes)
     for dot, out, _ in stages:

@@ -40,7 +40,7 @@ CUDA_ARCHS: tuple[str, ...] = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90")
 
 # Bump whenever the generated code changes (compute description, schedule, argument order):
 # it is part of every key, so stale cached libraries are never reused.
-KERNEL_ABI_VERSION: int = 7
+KERNEL_ABI_VERSION: int = 8
 
 _TARGET_RE = re.compile(r"^(llvm|cuda:sm_\d+a?)$")
 

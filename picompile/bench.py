@@ -1,6 +1,6 @@
 """``picompile bench ART``: end-to-end prefill and decode speed of an artifact against dense PyTorch eager.
 
-Every engine runs in this process on the same prompt (seeded random token ids) and decodes greedily:
+Every engine runs on the same prompt (seeded random token ids) and decodes greedily:
 
 * ``picompile-compiled`` (``--compile``) the same step through ``torch.compile`` (``load(art, compile=True)``),
                        sharing the weights; listed first, the headline ratios are then its own;
@@ -8,13 +8,16 @@ Every engine runs in this process on the same prompt (seeded random token ids) a
 * ``picompile-dense``  the same graph with every FFN neuron computed (``load(art, dense=True)``; it shares
                        the weights of the first, so it costs no memory);
 * ``pytorch``          the HF model the artifact was built from (``manifest.model["source"]``), float32,
-                       eager, a manual prefill + decode loop with its KV cache, ``torch.inference_mode()``;
+                       eager, a manual prefill + decode loop with its KV cache, ``torch.inference_mode()``,
+                       in a process of its own (``picompile/engine_worker.py``: the user's OpenMP settings,
+                       not the PASSIVE wait policy picompile sets for itself, which slows eager PyTorch ~8 %);
 * optional extras, skipped with a printed reason when not installed: ONNX Runtime on the same weights
   (``picompile.ort_reference.OrtDenseSession``) and llama.cpp (``llama_cpp`` with a GGUF given by ``--gguf``;
   ``--gguf auto`` converts the source checkpoint with ``picompile.gguf_export`` into
   ``<cache>/gguf/NAME-TYPE.gguf``, reused while newer than the checkpoint; ``--gguf-type`` f32 (default,
   as the artifact's weights) or f16; ``pip install 'picompile[bench]'``). llama.cpp runs the same thread
-  count as the other engines, its KV cache in the ``--gguf-type``. Its ``llama`` architecture computes
+  count as the other engines, its KV cache in the ``--gguf-type``, in a process of its own
+  (``picompile/llama_worker.py``) with the user's OpenMP settings rather than this process's PASSIVE. Its ``llama`` architecture computes
   SiLU in the FFN whatever the checkpoint's activation: for a ReLU model it is a dense-speed baseline
   (same weights, bytes and FLOPs per token), not the same outputs.
 
@@ -222,9 +225,9 @@ def llama_cpp_engine(gguf: Path | str | None, n_ctx: int, threads: int, *, sourc
 
     ``threads`` for both decode and batch (prefill); the KV cache is ``gguf_type`` (f32 or f16).
     """
-    try:
-        import llama_cpp
-    except ImportError:
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None:
         return "llama_cpp (llama-cpp-python) is not installed (pip install 'picompile[bench]')"
     if gguf is None:
         return ("no GGUF given: pass --gguf auto (converts the source checkpoint) or --gguf FILE (the same "
@@ -239,36 +242,85 @@ def llama_cpp_engine(gguf: Path | str | None, n_ctx: int, threads: int, *, sourc
         gguf = made
     if not Path(gguf).is_file():
         return f"GGUF file {gguf} does not exist"
-    kv = llama_cpp.GGML_TYPE_F32 if gguf_type == "f32" else llama_cpp.GGML_TYPE_F16
-    import numpy as np
-
-    try:
-        llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                              n_batch=max(n_ctx, 8), type_k=kv, type_v=kv, logits_all=False, verbose=False)
-    except Exception as e:
-        return f"llama.cpp could not load {gguf}: {type(e).__name__}: {e}"
-    file_type = str(llm.metadata.get("general.file_type", ""))
+    worker = WorkerEngine.start("llama.cpp", Path(gguf), n_ctx, threads, gguf_type)
+    if isinstance(worker, str):
+        return f"llama.cpp could not load {gguf}: {worker}"
+    file_type = str(worker.info.get("file_type", ""))
     ftype = GGUF_FILE_TYPES.get(int(file_type), "GGUF") if file_type.isdigit() else "GGUF"
     label = f"llama.cpp {ftype} (dense; SiLU kernel{', same weights' if converted else ''})"
-
-    n_vocab = llm.n_vocab()
-
-    def last() -> int:  # the last token's logits (llm.scores stays empty without logits_all in llama-cpp-python 0.3)
-        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
-        return int(np.argmax(logits))
-
-    def prefill(ids: list[int]) -> tuple[int, Any]:
-        llm.reset()
-        llm.eval(ids)
-        return last(), None
-
-    def decode(tok: int, state: Any) -> tuple[int, Any]:
-        llm.eval([tok])
-        return last(), None
-
     info = {"gguf": str(gguf), "gguf_file_type": ftype, "kv_type": gguf_type, "converted": converted,
             "ffn_activation": "silu (llama.cpp's llama architecture)"}
-    return Engine("llama.cpp", label, prefill, decode, info=info)
+    return worker.engine("llama.cpp", label, info)
+
+
+class WorkerEngine:
+    """An engine in a ``picompile/engine_worker.py`` child process, run with the user's own OpenMP settings
+    (this process runs with ``OMP_WAIT_POLICY=PASSIVE``, under which PyTorch's and llama.cpp's OpenMP
+    barriers sleep: see that module). A request costs a pipe round trip (~0.1 ms) against 50-300 ms per
+    token; the child's memory is its own (PyTorch: a second copy of the fp32 weights, as before)."""
+
+    def __init__(self, proc: Any, info: dict[str, Any], omp_policy: str | None) -> None:
+        import weakref
+
+        self.proc, self.info, self.omp_policy = proc, info, omp_policy
+        weakref.finalize(self, WorkerEngine._stop, proc)
+
+    @staticmethod
+    def _stop(proc: Any) -> None:
+        if proc.poll() is None:
+            proc.stdin.close()
+            try:
+                proc.wait(timeout=10)
+            except Exception:
+                proc.kill()
+
+    @classmethod
+    def start(cls, kind: str, *args: object) -> "WorkerEngine | str":
+        """Start the worker for ``kind`` ("llama.cpp" or "pytorch"); the reason as a string if it fails."""
+        import subprocess
+
+        import picompile
+
+        env = dict(os.environ)
+        if picompile.USER_OMP_WAIT_POLICY is None:
+            env.pop("OMP_WAIT_POLICY", None)
+        else:
+            env["OMP_WAIT_POLICY"] = picompile.USER_OMP_WAIT_POLICY
+        script = Path(__file__).with_name("engine_worker.py")
+        proc = subprocess.Popen([sys.executable, "-P", str(script), kind, *map(str, args)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                text=True, bufsize=1, env=env)
+        hello = proc.stdout.readline() if proc.stdout else ""
+        try:
+            msg = json.loads(hello)
+        except json.JSONDecodeError:
+            cls._stop(proc)
+            return f"the {kind} worker process ended without answering (exit code {proc.poll()})"
+        if "error" in msg:
+            cls._stop(proc)
+            return str(msg["error"])
+        return cls(proc, dict(msg.get("info") or {}), env.get("OMP_WAIT_POLICY"))
+
+    def eval(self, ids: list[int], reset: bool) -> int:
+        self.proc.stdin.write(json.dumps({"ids": [int(i) for i in ids], "reset": reset}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the worker process ended (exit code {self.proc.poll()})")
+        msg = json.loads(line)
+        if "error" in msg:
+            raise RuntimeError(str(msg["error"]))
+        return int(msg["tok"])
+
+    def engine(self, name: str, label: str, info: dict[str, Any] | None = None) -> Engine:
+        def prefill(ids: list[int]) -> tuple[int, Any]:
+            return self.eval(ids, reset=True), None
+
+        def decode(tok: int, state: Any) -> tuple[int, Any]:
+            return self.eval([tok], reset=False), None
+
+        process = f"its own (picompile/engine_worker.py), OMP_WAIT_POLICY {self.omp_policy or 'unset'}"
+        return Engine(name, label, prefill, decode, info={**(info or {}), "process": process})
 
 
 # -- bytes per token -------------------------------------------------------------------------------
@@ -453,7 +505,6 @@ def run_bench(
     """Measure ``artifact`` against dense PyTorch eager; return the result dict (see the module doc)."""
     import picompile
     from picompile.config import default_cache_dir
-    from picompile.frontend import load_model
 
     if tokens < 1 or prompt_len < 1 or repeats < 1:
         raise PicompileError(f"--tokens, --prompt-len and --repeats must be >= 1, got {tokens}, {prompt_len}, {repeats}")
@@ -481,9 +532,10 @@ def run_bench(
     source = str(manifest.model.get("source") or "")
     if not source or not Path(source).exists():
         raise PicompileError(f"the artifact's source model {source!r} is not present here; the PyTorch baseline needs it")
-    emit(f"loading the PyTorch baseline {source}")
-    model, _info = load_model(source)
-    model = model.eval()
+    emit(f"loading the PyTorch baseline {source} (in a process of its own)")
+    pt_worker = WorkerEngine.start("pytorch", source, threads)
+    if isinstance(pt_worker, str):  # the baseline is required: say why it could not start
+        raise PicompileError(f"the PyTorch baseline could not load {source}: {pt_worker}")
     engines = [session_engine("picompile", "picompile", session)]
     if compiled is not None:  # first, so it is the one every ratio is about; the eager step stays beside it
         engines.insert(0, session_engine("picompile-compiled", "picompile compile=True", compiled))
@@ -500,7 +552,7 @@ def run_bench(
     if dense_session is not None:
         dense_run = compiled_view(dense_session) if compile else dense_session
         engines.append(session_engine("picompile-dense", f"picompile dense=True{' compile=True' if compile else ''}", dense_run))
-    engines.append(pytorch_engine(model))
+    engines.append(pt_worker.engine("pytorch", "PyTorch eager"))
     skipped: dict[str, str] = {}
     if extras:
         for name, made in (("onnxruntime", lambda: ort_engine(source, default_cache_dir(), threads)),

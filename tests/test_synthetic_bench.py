@@ -103,6 +103,10 @@ def test_bench_prefill_dtype(tiny_artifact: Path, capsys: pytest.CaptureFixture[
                  "--prefill-dtype", "bfloat16"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert list(out["engines"]) == ["picompile", "picompile-bfloat16-prefill", "pytorch"]
+    # the baseline runs in its own process, without the PASSIVE OpenMP policy picompile sets for itself
+    import picompile as pc
+    policy = pc.USER_OMP_WAIT_POLICY or "unset"
+    assert out["engines"]["pytorch"]["process"].endswith(f"engine_worker.py), OMP_WAIT_POLICY {policy}")
     assert out["prefill_tokens_per_s"] == out["engines"]["picompile"]["prefill_tokens_per_s"]
     low = out["engines"]["picompile-bfloat16-prefill"]
     assert out["low_prefill_speedup"] == pytest.approx(low["prefill_tokens_per_s"] / out["dense_prefill_tokens_per_s"])
