@@ -397,7 +397,7 @@ def _schedule_partitioned(
     return plan, (rj_var, part_var) if skip else None
 
 
-def _schedule_predict(sch: s_tir.Schedule, spec: KernelSpec, max_lanes: int = 64) -> None:
+def _schedule_predict(sch: s_tir.Schedule, spec: KernelSpec) -> None:
     """Kind ``predict``: two parallel regions in one call, each a dense GEMV scheduled like ``_schedule_up``
     (parallel over rows; per row a vectorised rfactor-ed dot product with a halving lane-sum tree), fc1
     over its ``rank`` rows then fc2 over its ``n_rows`` rows; the activation and the threshold test are
@@ -405,7 +405,7 @@ def _schedule_predict(sch: s_tir.Schedule, spec: KernelSpec, max_lanes: int = 64
     stages = (("up", "h", spec.d_model), ("score", "mask", spec.rank))
     trees = {}
     for dot, _, length in stages:  # every rfactor at the root, before any compute_at (see _schedule_up)
-        lanes = _largest_divisor(length, tuple(c for c in (64, 32, 16, 8, 4, 2) if c <= max_lanes))
+        lanes = _largest_divisor(length, (64, 32, 16, 8, 4, 2))
         if lanes > 1:
             trees[dot] = _rfactor_tree(sch, dot, lanes)
     for dot, out, _ in stages:
