@@ -9,7 +9,7 @@ reads its rows from DRAM). Each layer's index list selects ``--selected`` of the
 ``--firing`` fire (the gate, for ``ffn_relu`` up + bias, is positive for that share of them): a trained
 predictor's precision. ``gemv``: kind ``up`` over every row (a float16 linear layer) at 64 and 32
 lanes (float32: and torch's ``F.linear``), the weights rotated over copies totalling ~1 GB, with the copy
-bandwidth measured in the same rounds. Every variant is checked against the first (bit-identical for ``ffn``), rounds are interleaved
+bandwidth measured in the same rounds. Every variant is checked against the first (``ffn`` skip on/off: bit-identical), rounds are interleaved
 (A B C, C B A, …) and medians are reported. Not a test.
 """
 from __future__ import annotations
@@ -88,7 +88,10 @@ def bench_ffn(args: argparse.Namespace) -> None:
     for name, fn in fns.items():
         fn(*layers[0], y)
         ref = y.clone() if ref is None else ref
-        assert torch.equal(y, ref), f"{name}: output differs from the first variant's"
+        if "32 lanes" in name:  # another summation order: equal up to rounding
+            assert torch.allclose(y, ref, rtol=1e-4, atol=1e-5), f"{name}: output differs from the first variant's"
+        else:  # skipping adds exactly nothing: bit-identical
+            assert torch.equal(y, ref), f"{name}: output differs from the first variant's"
 
     def timed(fn: Callable[..., None]) -> Callable[[], float]:
         def once() -> float:

@@ -75,8 +75,9 @@ def default_params(spec: KernelSpec, cores: int | None = None) -> CpuSchedulePar
     d = spec.d_model
     cores = cores or build_cores()
     # 64 float32 lanes = 4 independent AVX-512 accumulators (8 with AVX2): hides the FMA latency.
-    # The float16 GEMV (kind up over all rows) streams faster with 32 (one cache line per iteration):
-    # 1B shapes, measured: 2048 and 2560 rows +10 %, 5632 rows +6 %, 32000 rows equal
+    # The float16 GEMV (kind up over all rows) takes 32 (one cache line per iteration). Inconclusive:
+    # a first A/B measured +10 % (2048, 2560 rows), +6 % (5632), equal (32000); benchmarks/schedules.py
+    # gemv later measured -5 % (2560) and equal (2048). See benchmarks/README.md.
     narrow = spec.weight_dtype == "float16" and spec.kind in ("up", "up_gated")
     up_lanes = _largest_divisor(d, (32, 16, 8, 4, 2) if narrow else (64, 32, 16, 8, 4, 2))
     down_lanes = _largest_divisor(d, (64, 32, 16, 8, 4, 2))

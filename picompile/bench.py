@@ -426,16 +426,16 @@ class _MaskCounter(fx.Interpreter):
             mask = args[FFN_OPS[op]]
             self.selected[layer] = self.selected.get(layer, 0) + int(mask.sum())
             self.rows[layer] = self.rows.get(layer, 0) + int(mask.numel())
-            rows = mask.reshape(-1).nonzero().squeeze(1)
-            x = args[0].reshape(-1).float()  # one token  # [d_model]
             if skips_inactive(op, args):  # the deciding value of each selected row, as the kernel forms it
+                rows = mask.reshape(-1).nonzero().squeeze(1)  # [k]
+                x = args[0].reshape(-1).float()  # one token  # [d_model]
                 w_gate, w_up, b_up = args[3], args[1], args[2]
                 z = (w_gate if w_gate is not None else w_up)[rows].float() @ x  # [k]
                 if w_gate is None and b_up is not None:
                     z = z + b_up[rows].float()
                 n_fired = int((z > 0).sum())
             else:
-                n_fired = int(rows.numel())
+                n_fired = int(mask.sum())
             self.fired[layer] = self.fired.get(layer, 0) + n_fired
         return super().call_function(target, args, kwargs)
 
