@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .spec import KERNEL_ABI_VERSION, KernelSpec, KernelSpecError
+from .spec import KERNEL_ABI_VERSION, KernelSpec, KernelSpecError, skips_inactive
 
 _LAZY: dict[str, str] = {
     "build_kernel": "cache",
@@ -41,7 +41,7 @@ _LAZY: dict[str, str] = {
     "dense_ffn": "fallback",
 }
 
-__all__ = ["KERNEL_ABI_VERSION", "KernelSpec", "KernelSpecError", *_LAZY]
+__all__ = ["KERNEL_ABI_VERSION", "KernelSpec", "KernelSpecError", "skips_inactive", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

@@ -48,7 +48,7 @@ import tvm
 from tvm import s_tir, tirx
 
 from .compute import KernelDesc
-from .spec import KernelSpec
+from .spec import KernelSpec, skips_inactive
 
 
 @dataclass(frozen=True)
@@ -287,7 +287,7 @@ def _schedule_down(sch: s_tir.Schedule, spec: KernelSpec, p: CpuScheduleParams, 
 
 def _skips_inactive(spec: KernelSpec, p: CpuScheduleParams, batched: bool) -> bool:
     """Whether the fused one-token kernel skips the rest of a row whose ReLU output is 0 (see ``_skip_inactive``)."""
-    return p.skip_inactive and not batched and spec.act == "relu" and spec.kind in ("ffn_relu", "ffn_gated")
+    return p.skip_inactive and not batched and skips_inactive(spec.kind, spec.act)
 
 
 def _schedule_partitioned(

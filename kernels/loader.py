@@ -186,9 +186,10 @@ def aligned_empty(
     return out
 
 
-def as_aligned(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when contiguous and aligned, else an aligned contiguous copy (for load time)."""
-    if t.is_contiguous() and is_aligned(t):
+def as_aligned(t: torch.Tensor, copy: bool = False) -> torch.Tensor:
+    """``t`` itself when contiguous and aligned (and not ``copy``), else an aligned contiguous copy (for load
+    time; large ones on huge pages, see :func:`aligned_empty`)."""
+    if t.is_contiguous() and is_aligned(t) and not copy:
         return t
     out = aligned_empty(t.shape, t.dtype, t.device)
     out.copy_(t)

@@ -38,6 +38,14 @@ ACTS: tuple[str, ...] = ("relu", "silu", "none")
 WEIGHT_DTYPES: tuple[str, ...] = ("float32", "float16")
 CUDA_ARCHS: tuple[str, ...] = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90")
 
+
+def skips_inactive(kind: str, act: str) -> bool:
+    """Whether the one-token CPU kernel of ``kind`` reads only the deciding row (gate; ``ffn_relu``: up and
+    b_up) of a selected neuron whose ReLU output is 0 (``cpu.py``, schedule parameter ``skip_inactive``, on by
+    default): such a neuron then costs one row instead of two or three. The bench's byte count and the
+    predictors' rank choice read it here."""
+    return act == "relu" and kind in ("ffn_relu", "ffn_gated")
+
 # Bump whenever the generated code changes (compute description, schedule, argument order):
 # it is part of every key, so stale cached libraries are never reused.
 KERNEL_ABI_VERSION: int = 8

@@ -1,6 +1,6 @@
-"""convert-weights (--weight-dtype float16): aten.linear(x, W) → picompile.linear(x, W.half(), b), and the rows of
-sparse_ffn / ffn / predict / oracle_mask → float16; activations, norms, biases (but b_up), embeddings and the
-KV cache stay float32. --weight-dtype float32 leaves the graph as it is.
+"""convert-weights: aten.linear(x, W) → picompile.linear(x, W.half(), b), and the rows of sparse_ffn / ffn /
+oracle_mask → --weight-dtype (float16); predict's fc1/fc2 → --predictor-dtype. Activations, norms, biases (but b_up),
+embeddings, predictor offsets and the KV cache stay float32. All float32 leaves the graph as it is.
 """
 from __future__ import annotations
 
@@ -19,9 +19,8 @@ aten = torch.ops.aten
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16}
 # picompile op -> positions of the weight tensors it reads in the artifact's weight dtype
 # (b_up goes with its rows: the kernels take it in the weight dtype)
-WEIGHT_ARGS: dict[str, tuple[int, ...]] = {
-    "ffn": (1, 2, 3, 4), "sparse_ffn": (1, 2, 3, 4), "predict": (1, 2), "oracle_mask": (1, 2, 6),
-}
+WEIGHT_ARGS: dict[str, tuple[int, ...]] = {"ffn": (1, 2, 3, 4), "sparse_ffn": (1, 2, 3, 4), "oracle_mask": (1, 2, 6)}
+PREDICTOR_ARGS: tuple[int, ...] = (1, 2)  # predict's fc1, fc2: in the predictor dtype
 
 
 class _Converter:
@@ -48,21 +47,24 @@ class _Converter:
         return self.done[arg]
 
 
+def _dtype(name: str, flag: str) -> torch.dtype:
+    dtype = DTYPES.get(name)
+    if dtype is None:
+        raise PassError(f"unknown {flag} {name!r}; known: {', '.join(DTYPES)}")
+    return dtype
+
+
 @register_pass("convert-weights")
 def convert_weights(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
-    dtype = DTYPES.get(ctx.config.weight_dtype)
-    if dtype is None:
-        raise PassError(f"unknown weight dtype {ctx.config.weight_dtype!r}; known: {', '.join(DTYPES)}")
-    if dtype == torch.float32:
-        ctx.manifest_extra["convert_weights"] = {"dtype": "float32", "converted": 0}
-        return gm
-    conv = _Converter(gm, dtype)
+    dtype = _dtype(ctx.config.weight_dtype, "weight dtype")
+    conv = _Converter(gm, dtype)  # a no-op for float32 tensors when dtype is float32
+    pconv = _Converter(gm, _dtype(ctx.config.predictor_dtype, "predictor dtype"))
     linears = 0
     why_kept: list[str] = []
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
             continue
-        if node.target is aten.linear.default:
+        if node.target is aten.linear.default and dtype != torch.float32:
             x, w, *rest = node.args
             b = rest[0] if rest else node.kwargs.get("bias")
             if not (isinstance(w, fx.Node) and w.op == "get_attr"):
@@ -75,18 +77,22 @@ def convert_weights(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
             gm.graph.erase_node(node)
             linears += 1
             continue
-        for op, positions in WEIGHT_ARGS.items():
+        ops = [(op, pos, conv) for op, pos in WEIGHT_ARGS.items()] + [("predict", PREDICTOR_ARGS, pconv)]
+        for op, positions, convert in ops:
             if is_picompile_op(node.target, op):
                 args = list(node.args)
                 for pos in positions:
                     if pos < len(args):
-                        args[pos] = conv(args[pos])
+                        args[pos] = convert(args[pos])
                 node.args = tuple(args)
                 break
-    drop_unused_weights(gm)  # the float32 originals no longer read (an embedding keeps its own)
-    gm.recompile()
+    if conv.count or pconv.count or linears:
+        drop_unused_weights(gm)  # the float32 originals no longer read (an embedding keeps its own)
+        gm.recompile()
     ctx.manifest_extra["convert_weights"] = {
-        "dtype": ctx.config.weight_dtype, "converted": conv.count, "linear_nodes": linears,
-        "bytes_before": conv.bytes_before, "bytes_after": conv.bytes_after, "kept": why_kept,
+        "dtype": ctx.config.weight_dtype, "predictor_dtype": ctx.config.predictor_dtype,
+        "converted": conv.count + pconv.count, "linear_nodes": linears,
+        "bytes_before": conv.bytes_before + pconv.bytes_before, "bytes_after": conv.bytes_after + pconv.bytes_after,
+        "kept": why_kept,
     }
     return gm

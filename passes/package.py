@@ -21,7 +21,7 @@ WEIGHTS_FILE = "weights.safetensors"
 RECORDED_OPTIONS: tuple[str, ...] = (
     "predictor", "seed", "calibration_tokens", "act_sparsity", "act_criterion", "sparsity_allocation", "allocation_step",
     "allocation_tokens", "recall_target", "predictor_budget", "predictor_epochs", "placement_batch", "min_layer_neurons",
-    "weight_dtype", "predictor_kind",
+    "weight_dtype", "predictor_kind", "predictor_dtype",
 )
 
 

@@ -3,10 +3,12 @@
 ``mlp`` fc2(ReLU(fc1 x)) trained with BCE (PowerInfer); threshold tuned to the recall target. Skipped for oracle/none."""
 from __future__ import annotations
 
+import torch
 from torch import fx
 
 from picompile.context import BuildContext
 from picompile.errors import PassError
+from picompile.kernels import skips_inactive
 from picompile.linear_predictor import candidate_ranks, fit_linear_predictor
 from picompile.passes.profile_activations import decider_of, ffn_nodes
 from picompile.passes.registry import register_pass
@@ -32,19 +34,26 @@ def train_predictors(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
     max_rank = max(1, min(d, n, int(cfg.predictor_budget * matrices * d * n) // (d + n)))
     granularity = rank_granularity(d, n)
     recall_target = cfg.recall_for(all(layer.act == "relu" for layer in layers))
+    pred_dtype = torch.float16 if cfg.predictor_dtype == "float16" else torch.float32
+    row_itemsize = 2 if cfg.weight_dtype == "float16" else 4
     nodes = ffn_nodes(gm)
     for layer, rank in ctx.track(list(zip(layers, ranks)), "fitting predictors"):
         cal = ctx.calibration[layer.index]
         seed = cfg.seed + layer.index
         if cfg.predictor_kind == "linear":
             margin = decider_of(gm, nodes[layer.index], cfg.act_criterion).margin(cal.x, cal.threshold)  # [N, n]
+            # bytes a decode step reads per selected neuron beyond those of the firing ones (read at any rank):
+            # one row where the kernel skips the rest of a neuron that does not fire, else all its rows
+            kind = "ffn_gated" if layer.kind == "gated" else "ffn_relu"
+            rows = 1 if skips_inactive(kind, layer.act) else matrices
             predictor, report = fit_linear_predictor(
-                cal.x, margin, cal.mask, candidate_ranks(max_rank, granularity), row_cost=matrices * layer.d_model,
-                recall_target=recall_target, seed=seed)
+                cal.x, margin, cal.mask, candidate_ranks(max_rank, granularity),
+                row_cost=rows * layer.d_model * row_itemsize, param_cost=pred_dtype.itemsize,
+                recall_target=recall_target, seed=seed, weight_dtype=pred_dtype)
             del margin
         else:
             predictor, report = train_predictor(cal.x, cal.mask, rank, epochs=cfg.predictor_epochs, seed=seed,
-                                                recall_target=recall_target)
+                                                recall_target=recall_target, weight_dtype=pred_dtype)
         ctx.predictors[layer.index] = predictor
         layer.stats.update({
             "predictor_kind": cfg.predictor_kind, "predictor_rank": report.rank, "recall_target": recall_target,

@@ -343,9 +343,13 @@ def _attr(gm: fx.GraphModule, node: Any) -> Tensor | None:
 
 
 def skips_inactive(op: str | None, args: tuple[Any, ...] | list[Any]) -> bool:
-    """Whether an FFN node's one-token call runs a CPU kernel that reads only the deciding rows (gate; no
-    gate: up, b_up) of a selected neuron whose ReLU is 0 (``kernels/cpu.py``, ``skip_inactive``)."""
-    return op == "tvm_sparse_ffn" and len(args) > 10 and args[6] == "relu" and bool(args[10])
+    """Whether an FFN node's one-token call runs a CPU kernel (``args[10]``, its key) that reads only the
+    deciding rows (gate; no gate: up, b_up) of a selected neuron whose ReLU is 0 (``kernels.skips_inactive``)."""
+    from picompile.kernels import skips_inactive as kernel_skips
+
+    if op != "tvm_sparse_ffn" or len(args) <= 10 or not args[10]:
+        return False
+    return kernel_skips("ffn_gated" if args[3] is not None else "ffn_relu", str(args[6]))
 
 
 def weight_bytes(gm: fx.GraphModule, active: dict[int, float] | None,

@@ -39,6 +39,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         act_criterion=args.act_criterion, sparsity_allocation=args.sparsity_allocation, allocation_tokens=args.allocation_tokens, recall_target=args.recall_target, predictor_budget=args.predictor_budget,
         predictor_kind=args.predictor_kind,
         placement_batch=args.placement_batch, min_layer_neurons=args.min_layer_neurons, weight_dtype=args.weight_dtype,
+        predictor_dtype=args.predictor_dtype,
     )
     err = _console()
     start = time.perf_counter()
@@ -144,6 +145,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--weight-dtype", choices=["float32", "float16"], default="float32",
                    help="dtype of the linear and FFN weights in the artifact (float16: half the bytes per token; "
                         "activations, norms, embeddings and the KV cache stay float32)")
+    b.add_argument("--predictor-dtype", choices=["float32", "float16"], default="float16",
+                   help="dtype of the trained predictors' weights (default float16, also in float32 builds: the "
+                        "threshold is tuned on the rounded weights, and the predictors cost half the bytes)")
     b.add_argument("--act-criterion", choices=["gate", "product"], default="gate",
                    help="non-ReLU gated FFNs: a neuron is active when |act(gate x)| (gate, CATS; default) or "
                         "|act(gate x)·(up x)| (product: its real output) exceeds the layer's threshold")

@@ -48,6 +48,8 @@ class BuildConfig:
     predictor_kind: PredictorKind = "linear"  # linear: reduced-rank regression (Deja Vu form); mlp: PowerInfer's, BCE
     predictor_epochs: int = 20  # mlp predictors only
     weight_dtype: WeightDType = "float32"  # linear and FFN weights in the artifact (pass convert-weights)
+    predictor_dtype: WeightDType = "float16"  # trained predictors' fc1/fc2 (an approximation already: the threshold
+    # is tuned on the rounded weights); float16 halves the bytes a float32 build's predictors cost per token
     placement_batch: int = 64  # neurons per placement decision (PowerInfer: 64 in the paper, 256 in code)
     min_layer_neurons: int = 0  # a layer using the GPU holds at least this many hot neurons (0 = off)
     kernel_cache: Path = field(default_factory=lambda: default_cache_dir() / "kernels")  # compiled TVM kernels
@@ -69,6 +71,8 @@ class BuildConfig:
         checks = [
             (0.0 <= self.act_sparsity < 1.0, "--act-sparsity must be in [0, 1)", self.act_sparsity),
             (self.weight_dtype in ("float32", "float16"), "--weight-dtype must be float32 or float16", self.weight_dtype),
+            (self.predictor_dtype in ("float32", "float16"), "--predictor-dtype must be float32 or float16",
+             self.predictor_dtype),
             (self.act_criterion in ("gate", "product"), "--act-criterion must be gate or product", self.act_criterion),
             (self.sparsity_allocation in ("greedy", "uniform"), "--sparsity-allocation must be greedy or uniform",
              self.sparsity_allocation),

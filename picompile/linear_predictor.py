@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from picompile.predictor import Predictor, PredictorReport, mask_metrics, tune_threshold
+from picompile.predictor import Predictor, PredictorReport, mask_metrics, round_weights_, tune_threshold
 
 RIDGE: float = 1e-3  # λ as a fraction of the mean input variance
 
@@ -98,9 +98,11 @@ def fit_linear_predictor(
     ranks: Sequence[int],
     *,
     row_cost: float,
+    param_cost: float = 1.0,
     recall_target: float = 0.99,
     holdout: float = 0.2,
     seed: int = 0,
+    weight_dtype: torch.dtype = torch.float32,
 ) -> tuple[Predictor, PredictorReport]:
     """Fit linear predictors of each rank in ``ranks`` and keep the cheapest at ``recall_target``.
 
@@ -109,10 +111,15 @@ def fit_linear_predictor(
         margin: ``[N, n_neurons]``, positive where the neuron fires (``mask == margin > 0``).
         mask: true activity, bool ``[N, n_neurons]``.
         ranks: candidate ranks, increasing; the search stops once the cost rose twice in a row.
-        row_cost: parameters a decode step reads per selected neuron (``ffn_matrices · d_model``); a
-            rank-r predictor reads ``r · (d_model + n_neurons)``. The kept rank minimises
-            ``r·(d + n) + predicted_active_fraction · n · row_cost`` on the held-out tokens.
+        row_cost: what a decode step reads per selected neuron, e.g. bytes: ``ffn_matrices · d_model ·
+            itemsize``, or ``d_model · itemsize`` where the kernel reads only the deciding row of a selected
+            neuron that does not fire (the rows of the firing ones are read at any rank, the recall being
+            fixed); ``param_cost``: per predictor parameter, in the same unit (a rank-r predictor reads
+            ``r · (d_model + n_neurons)`` of them). The kept rank minimises
+            ``param_cost·r·(d + n) + predicted_active_fraction · n · row_cost`` on the held-out tokens.
         recall_target, holdout, seed: as in :func:`picompile.predictor.train_predictor`.
+        weight_dtype: the dtype fc1/fc2 are stored in; each candidate is rounded to it before its threshold
+            is tuned.
     """
     if x.ndim != 2 or margin.shape != mask.shape or x.shape[0] != mask.shape[0]:
         raise ValueError(f"x must be [N, d_model], margin and mask [N, n_neurons], got {tuple(x.shape)}, "
@@ -133,13 +140,13 @@ def fit_linear_predictor(
     best: tuple[float, Predictor, PredictorReport] | None = None
     rises, last = 0, math.inf
     for rank in sorted(set(int(r) for r in ranks if 1 <= r <= fit.s.numel())):
-        pred = _predictor(fit, rank)
+        pred = round_weights_(_predictor(fit, rank), weight_dtype)
         with torch.no_grad():
             logits = pred(x_hold)  # [H, n]
         thr = tune_threshold(logits, true, recall_target)
         pred.threshold.fill_(thr)
         recall, precision, frac, true_frac = mask_metrics(logits >= pred.threshold, true)
-        cost = rank * (d + n) + frac * n * row_cost
+        cost = param_cost * rank * (d + n) + frac * n * row_cost
         report = PredictorReport(rank=rank, recall=recall, precision=precision, predicted_active_fraction=frac,
                                  true_active_fraction=true_frac, n_train=int(train_idx.numel()),
                                  n_holdout=int(n_hold), threshold=thr)

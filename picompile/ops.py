@@ -77,9 +77,11 @@ def predict(
     act: str = "relu",  # "relu": PowerInfer's MLP predictor; "none": a low-rank linear map (Deja Vu)
     offset: Optional[Tensor] = None,  # [n_neurons] float32, added to the scores
 ) -> Tensor:
-    """An activation predictor: ``fc2(act(fc1 x)) + offset > threshold`` → [..., n_neurons] bool mask."""
-    h = lin(x, fc1)  # [..., rank]
-    scores = lin(torch.relu(h) if act == "relu" else h, fc2)  # [..., n_neurons]
+    """An activation predictor: ``fc2(act(fc1 x)) + offset > threshold`` → [..., n_neurons] bool mask. Computed
+    in x's dtype whatever the weights' (as the predict kernel does, and as the threshold was tuned: a score
+    rounded to float16 would flip the neurons near the threshold)."""
+    h = torch.nn.functional.linear(x, fc1.to(x.dtype))  # [..., rank]
+    scores = torch.nn.functional.linear(torch.relu(h) if act == "relu" else h, fc2.to(x.dtype))  # [..., n_neurons]
     if offset is not None:
         scores = scores.float() + offset
     return scores > threshold

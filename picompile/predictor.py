@@ -111,6 +111,15 @@ def evaluate(predictor: Predictor, x: Tensor, mask: Tensor) -> dict[str, float]:
     return {"recall": r, "precision": p, "predicted_active_fraction": pf, "true_active_fraction": tf}
 
 
+@torch.no_grad()
+def round_weights_(predictor: Predictor, dtype: torch.dtype) -> Predictor:
+    """Round ``fc1``/``fc2`` to ``dtype`` in place (kept float32): what the artifact will store, so the threshold
+    is tuned, and the recall reported, on the weights the decode step reads."""
+    for lin_ in (predictor.fc1, predictor.fc2):
+        lin_.weight.copy_(lin_.weight.to(dtype).float())
+    return predictor
+
+
 def tune_threshold(logits: Tensor, mask: Tensor, recall_target: float) -> float:
     """Largest threshold whose pooled recall on ``(logits, mask)`` (both ``[N, n_neurons]``) is >= target.
 
@@ -216,6 +225,7 @@ def train_predictor(
     recall_target: float = 0.99,
     batch_size: int = 256,
     pos_weight: float | None = None,
+    weight_dtype: torch.dtype = torch.float32,
 ) -> tuple[Predictor, PredictorReport]:
     """Train one layer's predictor and tune its threshold.
 
@@ -229,6 +239,8 @@ def train_predictor(
         recall_target: pooled recall the threshold must reach on the held-out tokens.
         pos_weight: BCE weight of positives; ``None`` = ``sqrt(negatives / positives)`` (>= 1), which
             keeps rare activations from being ignored without flattening the logits.
+        weight_dtype: the dtype the artifact stores fc1/fc2 in: the trained weights are rounded to it before
+            the threshold is tuned.
 
     Returns:
         The predictor (threshold set, eval mode) and its :class:`PredictorReport`.
@@ -277,6 +289,7 @@ def train_predictor(
             seen += idx.numel()
         epoch_loss = total / max(seen, 1)
     model.eval()
+    round_weights_(model, weight_dtype)
 
     with torch.no_grad():
         logits = model(x[hold_idx])  # [N_hold, n_neurons]

@@ -149,3 +149,23 @@ def test_bad_predictor_kind_writes_nothing(checkpoints: dict, tmp_path: Path) ->
     with pytest.raises(picompile.errors.PicompileError, match="--predictor-kind must be linear or mlp"):
         picompile.build(checkpoints[("llama", "relu")], output=out, predictor_kind="svd", emit=lambda s: None)
     assert not out.exists() and leftovers(tmp_path) == []
+
+
+def test_bad_predictor_dtype_writes_nothing(checkpoints: dict, tmp_path: Path) -> None:
+    out = tmp_path / "p.pic"
+    with pytest.raises(picompile.errors.PicompileError, match="--predictor-dtype must be float32 or float16"):
+        picompile.build(checkpoints[("llama", "relu")], output=out, predictor_dtype="int8", emit=lambda s: None)
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
+def test_kernels_of_another_abi(f16_cpu_artifact: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from picompile.runtime.loader import stale_kernels
+
+    out = tmp_path / "old.pic"
+    shutil.copytree(f16_cpu_artifact, out)
+    m = json.loads((out / "manifest.json").read_text())
+    assert stale_kernels(m["sections"]["kernels"]) == []
+    m["sections"]["kernels"][0]["key"] = "pi_ffn_gated_0123456789abcdef"  # a key the current ABI does not give its spec
+    (out / "manifest.json").write_text(json.dumps(m))
+    assert stale_kernels(m["sections"]["kernels"]) == [m["sections"]["kernels"][0]["file"]]
+    run_fails(capsys, ["run", str(out), "--ids", "1,2"], "was built by a picompile with another kernel ABI")

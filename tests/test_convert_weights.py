@@ -68,6 +68,28 @@ def test_float32_is_unchanged(checkpoints: dict, tmp_path: Path) -> None:
     assert gm.code == text and ctx.manifest_extra["convert_weights"]["converted"] == 0
 
 
+def test_float16_predictors_in_a_float32_build(checkpoints: dict, tmp_path: Path) -> None:
+    ctx = context_for(checkpoints[("llama", "relu")], tmp_path, calibration_tokens=256, predictor_dtype="float16")
+    gm = run_passes(ctx, PREFIX)
+    ids = [7, 3, 99, 42, 5, 61]
+    before = decode_logits(gm, ctx, ids)
+    text = gm.code
+    gm = run_passes(ctx, ["convert-weights"], gm)
+    assert "aten.linear" in gm.code and gm.code != text  # linears stay float32; the predictors' weights move
+    preds = [n for n in gm.graph.nodes if n.op == "call_function" and is_picompile_op(n.target, "predict")]
+    assert len(preds) == 2
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and is_picompile_op(node.target, "predict"):
+            assert [get_tensor(gm, a).dtype for a in node.args[1:3]] == [torch.float16, torch.float16]
+            assert get_tensor(gm, node.args[6]).dtype == torch.float32  # the offset
+        elif node.op == "call_function" and is_picompile_op(node.target, "sparse_ffn"):
+            assert get_tensor(gm, node.args[1]).dtype == torch.float32
+    info = ctx.manifest_extra["convert_weights"]
+    assert info["converted"] == 4 and info["predictor_dtype"] == "float16" and info["bytes_after"] * 2 == info["bytes_before"]
+    # the threshold was tuned on the rounded weights (train-predictors): the masks, so the logits, are the same
+    assert torch.equal(decode_logits(gm, ctx, ids), before)
+
+
 @pytest.mark.parametrize("predictor", ["trained", "oracle"])
 def test_float16_artifact(predictor: str, checkpoints: dict, tmp_path: Path) -> None:
     ckpt = checkpoints[("llama", "relu")]
@@ -94,7 +116,9 @@ def test_float16_artifact(predictor: str, checkpoints: dict, tmp_path: Path) -> 
     ref = picompile.load(ref16)
     new = session.generate(PROMPT, 12, stop_at_eos=False)
     old = ref.generate(PROMPT, 12, stop_at_eos=False)
-    assert _rel(session.last_logits, ref.last_logits) < 2e-3
+    # the reference computes float16 linears in float16 (ops.lin), the kernels accumulate in float32: the
+    # gap grows with the neurons computed (a rank-8 predictor selecting ~80 % of them: ~0.4-1 %)
+    assert _rel(session.last_logits, ref.last_logits) < 2e-2 and new == old
     if predictor == "oracle":  # exact masks: against the float32 model, float16 rounding only
         model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
         with torch.no_grad():

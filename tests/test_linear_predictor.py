@@ -77,3 +77,20 @@ def test_no_autograd_history_from_inputs_that_require_grad() -> None:
     z = z.requires_grad_()  # e.g. margins computed from a graph's parameters
     pred, _ = fit_linear_predictor(x, z, z.detach() > 0, [8], row_cost=128.0)
     assert pred.offset is not None and pred.offset.grad_fn is None and not pred.offset.requires_grad
+
+
+def test_weights_rounded_before_the_threshold_is_tuned() -> None:
+    x, z = _layer(3000, seed=2)
+    ranks = candidate_ranks(64, 8)
+    full, _ = fit_linear_predictor(x, z, z > 0, [16], row_cost=128.0, recall_target=0.99)
+    half, report = fit_linear_predictor(x, z, z > 0, [16], row_cost=128.0, recall_target=0.99,
+                                        weight_dtype=torch.float16)
+    for lin in (half.fc1, half.fc2):  # what an artifact stores in float16, exactly
+        assert lin.weight.dtype == torch.float32 and torch.equal(lin.weight.half().float(), lin.weight)
+    assert not torch.equal(full.fc1.weight, half.fc1.weight)
+    xf, zf = _layer(2000, seed=1)
+    assert report.recall >= 0.99 and evaluate(half, xf, zf > 0)["recall"] >= 0.97
+    # cheaper parameters (float16: 2 bytes against 4 per row weight) buy a larger rank at the same row cost
+    dear, _ = fit_linear_predictor(x, z, z > 0, ranks, row_cost=4 * D_MODEL, param_cost=40.0)
+    cheap, _ = fit_linear_predictor(x, z, z > 0, ranks, row_cost=4 * D_MODEL, param_cost=0.01)
+    assert cheap.rank > dear.rank
