@@ -20,6 +20,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenM
 import argparse
 import gc
 import json
+import multiprocessing
 import sys
 import time
 from pathlib import Path
@@ -28,8 +29,8 @@ from typing import Any
 import picompile
 from picompile.artifact import is_artifact, read_manifest
 from picompile.bench import print_report, run_bench
-from picompile.runtime.loader import stale_kernels
 from picompile.config import default_cache_dir
+from picompile.runtime.loader import stale_kernels
 from picompile.synthetic import make_synthetic, synthetic_params_of
 
 SHAPES: tuple[str, ...] = ("llama-1b-relu", "opt-1.3b")
@@ -67,8 +68,6 @@ def artifact_for(checkpoint: Path, cache: Path, calibration_tokens: int, predict
     # in a process of its own, as `picompile build` runs: the build's residue (its peak memory, kept by the
     # allocator, and what it left in the page cache) would share this process with the engines measured
     # (measured: the fp32 step at 10.7 tok/s after an in-process build against 14.9-16.1 without)
-    import multiprocessing
-
     child = multiprocessing.get_context("spawn").Process(target=_build, args=(dict(
         model=checkpoint, target="cpu", output=out, predictor=predictor, calibration_tokens=calibration_tokens,
         weight_dtype=weight_dtype, predictor_kind=predictor_kind, **options),))

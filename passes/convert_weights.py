@@ -59,6 +59,7 @@ def convert_weights(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
     dtype = _dtype(ctx.config.weight_dtype, "weight dtype")
     conv = _Converter(gm, dtype)  # a no-op for float32 tensors when dtype is float32
     pconv = _Converter(gm, _dtype(ctx.config.predictor_dtype, "predictor dtype"))
+    ops = [(op, pos, conv) for op, pos in WEIGHT_ARGS.items()] + [("predict", PREDICTOR_ARGS, pconv)]
     linears = 0
     why_kept: list[str] = []
     for node in list(gm.graph.nodes):
@@ -77,7 +78,6 @@ def convert_weights(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
             gm.graph.erase_node(node)
             linears += 1
             continue
-        ops = [(op, pos, conv) for op, pos in WEIGHT_ARGS.items()] + [("predict", PREDICTOR_ARGS, pconv)]
         for op, positions, convert in ops:
             if is_picompile_op(node.target, op):
                 args = list(node.args)
