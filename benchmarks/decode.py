@@ -6,7 +6,8 @@
 For each shape: make (or reuse) the seeded synthetic checkpoint (``picompile.synthetic``: random
 weights, ~10 % of FFN neurons active per token, ~26 % of neurons carrying 80 % of activations), build
 (or reuse) its artifact for target ``cpu`` with trained predictors, then run ``picompile bench`` on it
-in this process: picompile, the same artifact dense, PyTorch eager (dense, the HF checkpoint), and
+(each build and each bench in a spawned process of its own, so that no model measured shares a process
+with another one's residue): picompile, the same artifact dense, PyTorch eager (dense, the HF checkpoint), and
 ONNX Runtime / llama.cpp where installed, interleaved rounds, medians. Checkpoints and artifacts are
 cached outside the repository (``$PICOMPILE_CACHE_DIR`` or ``~/.cache/picompile``: ``synthetic/``,
 ``bench/``). Prints one table per model, then both side by side. Not a test.
@@ -18,7 +19,6 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP: see picompile/__init__.py
 
 import argparse
-import gc
 import json
 import multiprocessing
 import sys
@@ -81,6 +81,22 @@ def artifact_for(checkpoint: Path, cache: Path, calibration_tokens: int, predict
 
 def log(text: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+def _bench(options: dict[str, Any]) -> dict[str, Any]:
+    """``picompile.bench.run_bench(**options)`` (the target of a bench process)."""
+    return run_bench(**options, emit=log)
+
+
+def bench_in_child(options: dict[str, Any]) -> dict[str, Any]:
+    """``run_bench`` in a spawned process: what an earlier shape's engines left behind (the allocator's peak,
+    TVM and torch thread pools, compiled graphs) stays out of the next one's measurement."""
+    pool = multiprocessing.get_context("spawn").Pool(1)
+    try:
+        return pool.apply(_bench, (options,))
+    finally:
+        pool.close()  # a clean exit (terminate() would leak the pool's semaphore)
+        pool.join()
 
 
 def _build(options: dict[str, Any]) -> None:
@@ -181,15 +197,15 @@ def main() -> int:
             art = artifact_for(checkpoint, cache, args.calibration_tokens, predictor, log, args.rebuild,
                                args.weight_dtype, args.recall_target, args.predictor_kind)
             log(f"{shape} ({predictor}): benchmarking (load average {os.getloadavg()[0]:.1f})")
-            result = run_bench(art, args.tokens, args.prompt_len, args.repeats, args.threads,
-                               extras=not args.no_extras, gguf=args.gguf, gguf_type=args.gguf_type,
-                               compile=args.compile, prefill_dtype=args.prefill_dtype, emit=log)
+            result = bench_in_child(dict(
+                artifact=art, tokens=args.tokens, prompt_len=args.prompt_len, repeats=args.repeats,
+                threads=args.threads, extras=not args.no_extras, gguf=args.gguf, gguf_type=args.gguf_type,
+                compile=args.compile, prefill_dtype=args.prefill_dtype))
             result["bound_share"] = result["decode_tokens_per_s"] / result["bound_tokens_per_s"]
             ort = result["engines"].get("onnxruntime")
             result["ort_decode_tokens_per_s"] = ort["decode_tokens_per_s"] if ort else None
             print_report(result)
             results[shape if len(predictors) == 1 else f"{shape} ({predictor})"] = result
-            gc.collect()
     if len(results) > 1:
         side_by_side(results)
     if args.json_out:

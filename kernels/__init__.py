@@ -9,6 +9,7 @@ Public API::
     build_kernel(spec, cache_dir) -> Path      # compile or reuse <cache_dir>/<key>.so
     load_kernel(path, spec) -> SparseKernel    # callable; see SparseKernel for the argument order
     aligned_empty(shape, dtype, device="cpu"), as_aligned(t), is_aligned(t)
+    aligned_copies({name: t})                 # load time: every weight aligned, on huge pages
     validate_indices(idx, n_rows)              # once at load time, never per call
     dense_ffn(...)                             # torch fallback (prefill / reference)
     set_num_threads(n), num_threads()          # the TVM runtime's CPU thread pool
@@ -27,6 +28,7 @@ _LAZY: dict[str, str] = {
     "SparseKernel": "loader",
     "aligned_empty": "loader",
     "as_aligned": "loader",
+    "aligned_copies": "loader",
     "is_aligned": "loader",
     "validate_indices": "loader",
     "set_num_threads": "loader",

@@ -22,7 +22,7 @@ import json
 import mmap
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -193,6 +193,39 @@ def as_aligned(t: torch.Tensor, copy: bool = False) -> torch.Tensor:
         return t
     out = aligned_empty(t.shape, t.dtype, t.device)
     out.copy_(t)
+    return out
+
+
+def aligned_copies(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Aligned contiguous copies of ``tensors`` (same keys and order), all on huge pages where THP is
+    available: each tensor of ``HUGE_PAGE_MIN_BYTES`` or more in a mapping of its own (``as_aligned``),
+    the smaller CPU ones side by side in one shared mapping, each in a storage of its own (no aliasing
+    for torch to see). A small tensor on its own lives on 4 KiB pages, and a decode step that has just
+    streamed a gigabyte finds none of them in the TLB: a 1B model's predictor (fc1 0.5 MB and fc2 1.4 MB,
+    float16) measured 249 µs per layer on 4 KiB pages against 120 µs packed on huge pages."""
+    def nbytes(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    small = [k for k, t in tensors.items()
+             if t.device.type == "cpu" and 0 < nbytes(t) < HUGE_PAGE_MIN_BYTES]
+    offsets: dict[str, int] = {}
+    total = 0
+    for k in small:
+        offsets[k] = total
+        total += -(-nbytes(tensors[k]) // ALIGNMENT) * ALIGNMENT
+    if not small or not _thp_available():
+        return {k: as_aligned(t, copy=True) for k, t in tensors.items()}
+    mm = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    start = (-ctypes.addressof(ctypes.c_char.from_buffer(mm))) % HUGE_PAGE
+    mm.madvise(mmap.MADV_HUGEPAGE)
+    out: dict[str, torch.Tensor] = {}
+    for k, t in tensors.items():
+        if k in offsets:
+            c = torch.frombuffer(mm, dtype=t.dtype, count=t.numel(), offset=start + offsets[k]).view(t.shape)
+            c.copy_(t)
+            out[k] = c
+        else:
+            out[k] = as_aligned(t, copy=True)
     return out
 
 

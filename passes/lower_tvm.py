@@ -2,7 +2,7 @@
 calling TVM-generated kernels: an llvm kernel for every part (the CPU, and the GPU partition's
 fallback on a machine without one) and a CUDA kernel for the hot part when the target has a GPU;
 every predict → tvm_predict (one llvm kernel for the whole predictor: fc1, act, fc2, offset, threshold);
-float16 weights (convert-weights) also: linear → tvm_linear (an llvm GEMV kernel).
+every linear with a stored weight (aten's, or convert-weights' narrowed one) → tvm_linear (an llvm GEMV kernel).
 Compiled libraries go to the artifact's kernels/ and are listed in the manifest.
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ from picompile.graph import get_tensor
 from picompile.ops import is_picompile_op
 from picompile.passes.registry import register_pass
 
+aten = torch.ops.aten
 KERNEL_DIR = "kernels"
 KERNEL_ACTS: tuple[str, ...] = ("relu", "silu")
 
@@ -68,14 +69,48 @@ def _predict_spec(fc1: torch.Tensor, fc2: torch.Tensor, act: str, has_offset: bo
                       rank=int(fc1.shape[0]))
 
 
+def _stored_linear(node: fx.Node) -> bool:
+    """A linear whose weight is a stored tensor (not computed) and whose input is float32: a GEMV per token.
+    float32 weights too: back to back, as in a decode step, the TVM GEMV streams a 1B model's attention and
+    lm_head weights at 25.7 GB/s against torch ``F.linear``'s 24.6 (``benchmarks/README.md``)."""
+    if node.op != "call_function":
+        return False
+    if is_picompile_op(node.target, "linear"):
+        return True
+    if node.target is not aten.linear.default or node.kwargs:
+        return False
+    x, w = node.args[0], node.args[1]
+    val = x.meta.get("val") if isinstance(x, fx.Node) else None
+    return (isinstance(w, fx.Node) and w.op == "get_attr" and val is not None and val.dtype == torch.float32
+            and all(isinstance(b, fx.Node) and b.op == "get_attr" for b in node.args[2:3] if b is not None))
+
+
+def _align(gm: fx.GraphModule, node: fx.Node) -> None:
+    """The stored tensor ``node`` reads, 64-byte aligned and contiguous (as the kernels require), in place:
+    a weight straight from a checkpoint may sit at any offset of its file; every reader keeps sharing it."""
+    from picompile.kernels import as_aligned, is_aligned
+
+    t = get_tensor(gm, node)
+    if t.is_contiguous() and is_aligned(t):
+        return
+    path, _, attr = str(node.target).rpartition(".")
+    owner = gm.get_submodule(path) if path else gm
+    new = as_aligned(t.detach(), copy=True)
+    if isinstance(getattr(owner, attr), torch.nn.Parameter):
+        getattr(owner, attr).data = new
+    else:
+        setattr(owner, attr, new)
+
+
 def _lower_gemvs(gm: fx.GraphModule, ctx: BuildContext, entries: dict[str, dict[str, Any]]) -> None:
     """linear → tvm_linear; predict → tvm_predict, whatever its weights' dtype: one kernel call instead of
     torch's two small GEMVs, add and compare (float32, 1B model: 0.26 against 0.67 ms per predictor)."""
-    todo = [n for n in gm.graph.nodes if n.op == "call_function" and (
-        is_picompile_op(n.target, "linear") or is_picompile_op(n.target, "predict"))]
+    todo = [n for n in gm.graph.nodes if _stored_linear(n) or (
+        n.op == "call_function" and is_picompile_op(n.target, "predict"))]
     for node in ctx.track(todo, "compiling TVM GEMV kernels"):
-        if is_picompile_op(node.target, "linear"):
-            x, w, b = node.args
+        if _stored_linear(node):
+            x, w, b = (*node.args, None)[:3]
+            _align(gm, w)
             key = _build(ctx, _gemv_spec(get_tensor(gm, w), "none"), entries, node.name)
             op, args = torch.ops.picompile.tvm_linear.default, (x, w, b, key)
         else:

@@ -320,12 +320,12 @@ def _gemv(kernel: str, x: Tensor, w: Tensor, what: str) -> Tensor:
 @torch.library.custom_op("picompile::tvm_linear", mutates_args=())
 def tvm_linear(
     x: Tensor,  # [..., d_in] float32
-    w: Tensor,  # [d_out, d_in] float16
+    w: Tensor,  # [d_out, d_in] in the artifact's weight dtype (float16 or float32), 64-byte aligned
     b: Optional[Tensor],  # [d_out] float32
     kernel: str,  # key of the llvm GEMV kernel (kind "up", act "none") in KERNEL_TABLE
 ) -> Tensor:
     """``linear`` lowered: one token runs the TVM GEMV (fp16 weights widened in registers, fp32 accumulation);
-    several tokens (prefill) take torch's float16 GEMM (``linear``)."""
+    several tokens (prefill) take torch's GEMM in the weights' dtype (``linear``)."""
     if x.numel() != x.shape[-1]:
         return linear(x, w, b)
     y = _gemv(kernel, x, w, "linear")

@@ -101,12 +101,13 @@ def load_graph(root: Path, manifest: Manifest, dense: bool = False, hybrid: str 
     gm = ep.module()
     gm = flatten_codegen(gm)
     if manifest.sections.get("kernels"):
-        from picompile.kernels import as_aligned  # kernels read weights with aligned vector loads
+        from picompile.kernels import aligned_copies  # kernels read weights with aligned vector loads
 
-        # every tensor copied, none left on the file's mapping: the weights sit in anonymous memory (huge pages)
-        # and the mapping is released — an aligned tensor used in place kept all 4.4 GB of a 1B fp32 file
-        # resident beside the copies, and a weight the page cache reclaims is read back from disk mid-step
-        tensors = {k: as_aligned(t, copy=True) for k, t in tensors.items()}
+        # every tensor copied, none left on the file's mapping: the weights sit in anonymous memory (huge pages,
+        # the small ones packed together) and the mapping is released — an aligned tensor used in place kept all
+        # 4.4 GB of a 1B fp32 file resident beside the copies, and a weight the page cache reclaims is read back
+        # from disk mid-step
+        tensors = aligned_copies(tensors)
     gm = bind_weights(gm, 1 + int(g["n_past"]), list(g["weights"]), tensors)
     if dense:
         gm = drop_masks(gm)

@@ -13,6 +13,7 @@ from picompile.runtime.compute_dtype import resolve as resolve_compute_dtype
 from picompile.runtime.compute_dtype import with_compute_dtype
 from picompile.runtime.kv_cache import ArenaPatternError, KVArenas, arena_step
 from picompile.runtime.loader import without_masks
+from picompile.runtime.threads import torch_weight_reads, with_decode_threads
 
 
 class Session:
@@ -72,6 +73,10 @@ class Session:
             self.step_fn = compile_step(decode_run, prefill_run)  # dispatches on the token count itself
         else:
             self.step_fn = lambda ids, *past: (prefill_run if ids.shape[-1] > 1 else decode_run)(ids, *past)
+        # decode on one torch thread where TVM kernels read every weight (runtime/threads.py)
+        self.torch_weight_reads = torch_weight_reads(decode_run)  # decode nodes where torch reads a weight matrix
+        self.decode_torch_threads: int | None = None if self.torch_weight_reads else 1
+        self.step_fn = with_decode_threads(self.step_fn, self.decode_torch_threads)
         self._kv_version = 0  # bumped by every step on the arenas: what they hold changes
         self._kv_handed: tuple[tuple[Tensor, ...], int] | None = None  # step()'s last presents, at that version
 

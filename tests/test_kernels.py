@@ -513,3 +513,23 @@ def test_cuda_kernel_matches_numpy_reference(case: tuple, tmp_path: Path) -> Non
             assert torch.count_nonzero(out) == 0
             continue
         assert _rel_err(out, ref) < TOL[wdt], f"{kind} k={k}"
+
+
+def test_aligned_copies_pack_small_tensors_apart() -> None:
+    """Load-time copies: equal values, every one aligned; the small ones share one mapping yet own their storage."""
+    from picompile.kernels import aligned_copies
+    from picompile.kernels.loader import ALIGNMENT, HUGE_PAGE_MIN_BYTES
+
+    gen = torch.Generator().manual_seed(0)
+    big = torch.randn(HUGE_PAGE_MIN_BYTES // 4 + 7, generator=gen)[1:]  # over the threshold, unaligned view
+    src = {"norm": torch.randn(3, 5, generator=gen), "fc2": torch.randn(40, 8, generator=gen).half(),
+           "big": big, "empty": torch.empty(0), "idx": torch.arange(7, dtype=torch.int32)}
+    out = aligned_copies(src)
+    assert list(out) == list(src)
+    for k, t in src.items():
+        c = out[k]
+        assert c.dtype == t.dtype and c.shape == t.shape and torch.equal(c, t) and c.is_contiguous()
+        assert c.data_ptr() % ALIGNMENT == 0 and (c.data_ptr() != t.data_ptr() or t.numel() == 0)
+        assert c.untyped_storage().nbytes() == t.numel() * t.element_size()  # its own storage, no aliasing
+    out["norm"].zero_()  # neighbours in the shared mapping are untouched
+    assert torch.equal(out["fc2"], src["fc2"]) and torch.equal(out["idx"], src["idx"])

@@ -35,12 +35,16 @@ def test_lowered_graph_matches_reference(key: tuple[str, str], mode: str, checkp
     gm = run_passes(ctx, PREFIX)
     ids = [9, 8, 7, 60, 50, 40, 30, 20]
     before = _decode(gm, ctx, ids)
+    before_nodes = [n.target.name() for n in gm.graph.nodes if n.op == "call_function" and hasattr(n.target, "name")]
     gm = run_passes(ctx, ["lower-tvm"], gm)
     ops = count_ops(gm)
     L = ctx.info.n_layers
     assert ops.get("picompile::sparse_ffn", 0) == 0 and ops["picompile::tvm_sparse_ffn"] == 2 * L
     # float32 predictors too: one kernel call each instead of torch's GEMVs
     assert ops.get("picompile::predict", 0) == 0 and ops.get("picompile::tvm_predict", 0) == (L if mode == "trained" else 0)
+    # every float32 linear (q, k, v, o, lm_head) is a TVM GEMV too, its checkpoint weight realigned for the kernel
+    n_linear = sum(1 for n in before_nodes if n == "aten::linear")
+    assert ops.get("aten::linear", 0) == 0 and ops["picompile::tvm_linear"] == n_linear == 4 * L + 1
     entries = ctx.manifest_extra["kernels"]
     targets = sorted({e["spec"]["target"] for e in entries})
     assert targets == ["cuda:sm_89", "llvm"]  # CPU kernels for both parts, CUDA for the hot part
