@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP: see picompile/__init__.py
+import picompile  # first, before torch: it sets OMP_WAIT_POLICY=PASSIVE for its own runtime and records the
+# user's value, which the peers (PyTorch, llama.cpp) then run under in their own processes; setting it here
+# instead had made it theirs too (PASSIVE: every OpenMP region wakes parked threads)
 
 import argparse
 import json
@@ -26,7 +28,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import picompile
 from picompile.artifact import is_artifact, read_manifest
 from picompile.bench import print_report, run_bench
 from picompile.config import default_cache_dir

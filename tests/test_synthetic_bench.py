@@ -160,3 +160,25 @@ def test_synthetic_rejects_bad_input(tmp_path: Path) -> None:
     (tmp_path / "other" / "keep.txt").write_text("not a checkpoint")
     with pytest.raises(PicompileError, match="refusing"):
         make_synthetic("tiny-opt", tmp_path / "other")
+
+
+def test_user_omp_policy_survives_into_child_processes(tmp_path: Path) -> None:
+    """picompile sets OMP_WAIT_POLICY=PASSIVE for itself; a process it spawns (benchmarks/decode.py's bench
+    and build processes) still knows the user had none, so the peers it measures run at their defaults."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "spawn.py"
+    script.write_text(
+        "import multiprocessing as mp, os, picompile\n"
+        "def child(q):\n"
+        "    import picompile\n"
+        "    q.put((picompile.USER_OMP_WAIT_POLICY, os.environ['OMP_WAIT_POLICY']))\n"
+        "if __name__ == '__main__':\n"
+        "    ctx = mp.get_context('spawn'); q = ctx.Queue(); p = ctx.Process(target=child, args=(q,)); p.start()\n"
+        "    print(picompile.USER_OMP_WAIT_POLICY, *q.get()); p.join()\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "PICOMPILE_USER_OMP_WAIT_POLICY")}
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["None", "None", "PASSIVE"]  # parent: unset; child: unset, its runtime PASSIVE
