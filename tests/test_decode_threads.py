@@ -16,17 +16,16 @@ def test_kernel_artifact_decodes_on_one_torch_thread(f16_cpu_artifact: Path) -> 
     ids = [5, 9, 2, 7, 1]
     dec = s.decoder()
     dec.feed(ids[:3])
-    one = dec.feed(ids[3:4])  # one token: one torch thread
     threads = torch.get_num_threads()
-    both = s.graph  # the same step on the caller's threads, through the unwrapped graph
+    one = dec.feed(ids[3:4])  # one token: one torch thread
     assert torch.get_num_threads() == threads  # restored after the step
     past = s.step(torch.tensor([ids[:3]]), s.empty_past())[1]
-    with torch.inference_mode():
-        ref = both(torch.tensor([ids[3:4]]), *past)[0][0]
+    with torch.inference_mode():  # the same step through the loaded graph, on the caller's threads
+        ref = s.graph(torch.tensor([ids[3:4]]), *past)[0][0]
     assert torch.allclose(one, ref, atol=1e-5, rtol=0)
 
 
-def test_reference_graph_keeps_every_thread(artifacts: dict, checkpoints: dict) -> None:
+def test_reference_graph_keeps_every_thread(artifacts: dict) -> None:
     s = picompile.load(artifacts[("llama", "relu")])  # the dense pipeline: no kernels, torch reads the weights
     assert s.decode_torch_threads is None
     lin = [n for n in s.graph.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.linear.default]
