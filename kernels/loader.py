@@ -141,15 +141,18 @@ def _thp_available() -> bool:
     return "[always]" in mode or "[madvise]" in mode
 
 
-def _huge_page_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """Anonymous mmap, advised MADV_HUGEPAGE, 2 MiB aligned; the tensor keeps the mapping alive."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    nbytes = numel * itemsize
+def _huge_page_mapping(nbytes: int) -> tuple[mmap.mmap, int]:
+    """An anonymous mapping advised MADV_HUGEPAGE, and the offset in it where ``nbytes`` start 2 MiB aligned."""
     mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
-    offset = (-base) % HUGE_PAGE
+    start = (-ctypes.addressof(ctypes.c_char.from_buffer(mm))) % HUGE_PAGE
     mm.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(mm, dtype=dtype, count=numel, offset=offset)
+    return mm, start
+
+
+def _huge_page_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor on its own huge-page mapping (``_huge_page_mapping``); the tensor keeps the mapping alive."""
+    mm, start = _huge_page_mapping(numel * torch.empty((), dtype=dtype).element_size())
+    return torch.frombuffer(mm, dtype=dtype, count=numel, offset=start)
 
 
 def aligned_empty(
@@ -203,21 +206,15 @@ def aligned_copies(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tenso
     for torch to see). A small tensor on its own lives on 4 KiB pages, and a decode step that has just
     streamed a gigabyte finds none of them in the TLB: a 1B model's predictor (fc1 0.5 MB and fc2 1.4 MB,
     float16) measured 249 µs per layer on 4 KiB pages against 120 µs packed on huge pages."""
-    def nbytes(t: torch.Tensor) -> int:
-        return t.numel() * t.element_size()
-
-    small = [k for k, t in tensors.items()
-             if t.device.type == "cpu" and 0 < nbytes(t) < HUGE_PAGE_MIN_BYTES]
-    offsets: dict[str, int] = {}
+    offsets: dict[str, int] = {}  # small CPU tensors -> byte offset in the shared mapping
     total = 0
-    for k in small:
-        offsets[k] = total
-        total += -(-nbytes(tensors[k]) // ALIGNMENT) * ALIGNMENT
-    if not small or not _thp_available():
+    for k, t in tensors.items():
+        if t.device.type == "cpu" and 0 < t.nbytes < HUGE_PAGE_MIN_BYTES:
+            offsets[k] = total
+            total += -(-t.nbytes // ALIGNMENT) * ALIGNMENT
+    if not offsets or not _thp_available():
         return {k: as_aligned(t, copy=True) for k, t in tensors.items()}
-    mm = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    start = (-ctypes.addressof(ctypes.c_char.from_buffer(mm))) % HUGE_PAGE
-    mm.madvise(mmap.MADV_HUGEPAGE)
+    mm, start = _huge_page_mapping(total)
     out: dict[str, torch.Tensor] = {}
     for k, t in tensors.items():
         if k in offsets:

@@ -17,8 +17,8 @@ from picompile.passes.registry import register_pass
 aten = torch.ops.aten
 
 
-def _parts(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:
-    """(x, w, b) of a linear node whose weight (and bias) are stored tensors, else None."""
+def linear_parts(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:
+    """(x, w, b) of a linear node (aten's or picompile's) whose weight (and bias) are stored tensors, else None."""
     if node.op != "call_function" or not (node.target is aten.linear.default or is_picompile_op(node.target, "linear")):
         return None
     x, w, *rest = node.args
@@ -31,7 +31,7 @@ def _parts(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:
 def fuse_projections(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
     groups: dict[tuple[object, ...], list[fx.Node]] = {}
     for node in gm.graph.nodes:
-        parts = _parts(node)
+        parts = linear_parts(node)
         if parts is None:
             continue
         x, w, b = parts
@@ -41,7 +41,7 @@ def fuse_projections(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
     for (target, x, _, _, no_bias), nodes in groups.items():
         if len(nodes) < 2:
             continue
-        parts = [_parts(n) for n in nodes]
+        parts = [linear_parts(n) for n in nodes]
         ws = [get_tensor(gm, w) for _, w, _ in parts]  # type: ignore[misc]  # each [d_out_i, d_in]
         first = nodes[0]
         w_node = add_buffer(gm, f"fused_{first.name}_w", torch.cat(ws), first)  # [sum d_out_i, d_in]

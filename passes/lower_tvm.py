@@ -18,6 +18,7 @@ from picompile.context import BuildContext
 from picompile.errors import PassError
 from picompile.graph import get_tensor
 from picompile.ops import is_picompile_op
+from picompile.passes.fuse_projections import linear_parts
 from picompile.passes.registry import register_pass
 
 aten = torch.ops.aten
@@ -69,20 +70,15 @@ def _predict_spec(fc1: torch.Tensor, fc2: torch.Tensor, act: str, has_offset: bo
                       rank=int(fc1.shape[0]))
 
 
-def _stored_linear(node: fx.Node) -> bool:
-    """A linear whose weight is a stored tensor (not computed) and whose input is float32: a GEMV per token.
-    float32 weights too: back to back, as in a decode step, the TVM GEMV streams a 1B model's attention and
+def _stored_linear(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:
+    """(x, w, b) of a linear with stored weights (``fuse_projections.linear_parts``) on a float32 input: a GEMV per
+    token. float32 weights too: back to back, as in a decode step, the TVM GEMV streams a 1B model's attention and
     lm_head weights at 25.7 GB/s against torch ``F.linear``'s 24.6 (``benchmarks/README.md``)."""
-    if node.op != "call_function":
-        return False
-    if is_picompile_op(node.target, "linear"):
-        return True
-    if node.target is not aten.linear.default or node.kwargs:
-        return False
-    x, w = node.args[0], node.args[1]
-    val = x.meta.get("val") if isinstance(x, fx.Node) else None
-    return (isinstance(w, fx.Node) and w.op == "get_attr" and val is not None and val.dtype == torch.float32
-            and all(isinstance(b, fx.Node) and b.op == "get_attr" for b in node.args[2:3] if b is not None))
+    parts = linear_parts(node)
+    if parts is None:
+        return None
+    val = parts[0].meta.get("val")
+    return parts if is_picompile_op(node.target, "linear") or (val is not None and val.dtype == torch.float32) else None
 
 
 def _align(gm: fx.GraphModule, node: fx.Node) -> None:
@@ -105,11 +101,12 @@ def _align(gm: fx.GraphModule, node: fx.Node) -> None:
 def _lower_gemvs(gm: fx.GraphModule, ctx: BuildContext, entries: dict[str, dict[str, Any]]) -> None:
     """linear → tvm_linear; predict → tvm_predict, whatever its weights' dtype: one kernel call instead of
     torch's two small GEMVs, add and compare (float32, 1B model: 0.26 against 0.67 ms per predictor)."""
-    todo = [n for n in gm.graph.nodes if _stored_linear(n) or (
+    todo = [(n, _stored_linear(n)) for n in gm.graph.nodes]
+    todo = [(n, parts) for n, parts in todo if parts is not None or (
         n.op == "call_function" and is_picompile_op(n.target, "predict"))]
-    for node in ctx.track(todo, "compiling TVM GEMV kernels"):
-        if _stored_linear(node):
-            x, w, b = (*node.args, None)[:3]
+    for node, parts in ctx.track(todo, "compiling TVM GEMV kernels"):
+        if parts is not None:
+            x, w, b = parts
             _align(gm, w)
             key = _build(ctx, _gemv_spec(get_tensor(gm, w), "none"), entries, node.name)
             op, args = torch.ops.picompile.tvm_linear.default, (x, w, b, key)
