@@ -3,7 +3,7 @@
     python benchmarks/decode.py [--shapes llama-1b-relu,opt-1.3b] [--tokens 32] [--prompt-len 64]
                                 [--repeats 5] [--threads T] [--json-out FILE]
 
-For each shape: make (or reuse) the seeded synthetic checkpoint (``picompile.synthetic``: random
+For each shape: make (or reuse) the seeded synthetic checkpoint (``picompile.tools.synthetic``: random
 weights, ~10 % of FFN neurons active per token, ~26 % of neurons carrying 80 % of activations), build
 (or reuse) its artifact for target ``cpu`` with trained predictors, then run ``picompile bench`` on it
 (each build and each bench in a spawned process of its own, so that no model measured shares a process
@@ -28,11 +28,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from picompile.artifact import is_artifact, read_manifest
-from picompile.bench import print_report, run_bench
+from picompile.formats.artifact import is_artifact, read_manifest
+from picompile.tools.bench import print_report, run_bench
 from picompile.config import default_cache_dir
 from picompile.runtime.loader import stale_kernels
-from picompile.synthetic import make_synthetic, synthetic_params_of
+from picompile.tools.synthetic import make_synthetic, synthetic_params_of
 
 SHAPES: tuple[str, ...] = ("llama-1b-relu", "opt-1.3b")
 
@@ -85,7 +85,7 @@ def log(text: str) -> None:
 
 
 def _bench(options: dict[str, Any]) -> dict[str, Any]:
-    """``picompile.bench.run_bench(**options)`` (the target of a bench process)."""
+    """``picompile.tools.bench.run_bench(**options)`` (the target of a bench process)."""
     return run_bench(**options, emit=log)
 
 

@@ -28,10 +28,10 @@ from typing import Any
 import torch
 
 import picompile
-from picompile.bench import copy_bandwidth
+from picompile.tools.bench import copy_bandwidth
 from picompile.errors import PicompileError
 from picompile.kernels.loader import CALL_ARGS
-from picompile.ops import KERNEL_TABLE
+from picompile.ir.ops import KERNEL_TABLE
 from picompile.runtime import Session
 
 

@@ -13,10 +13,11 @@ from torch import fx
 
 from picompile.context import BuildContext
 from picompile.errors import PassError
-from picompile.ops import is_picompile_op
-from picompile.passes.profile_activations import Decider, decider_of, ffn_nodes, update_counts
+from picompile.ir.ops import is_picompile_op
+from picompile.formats.profile import PROFILE_FILE, update_counts
+from picompile.ir.patterns import Decider, decider_of, ffn_nodes
 from picompile.passes.registry import register_pass
-from picompile.profile_stats import LayerProfile
+from picompile.sparsity.profile_stats import LayerProfile
 
 MAX_LAYER_SPARSITY = 0.95  # no layer is pushed past this share of inactive neurons
 
@@ -147,6 +148,6 @@ def allocate_sparsity(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
                             "allocated": final_loss},
         "evaluations": len(cache),
     }
-    update_counts(ctx, {info.index: ctx.calibration[info.index].profile for info in infos})
+    update_counts(ctx.staging_dir / PROFILE_FILE, {info.index: ctx.calibration[info.index].profile for info in infos})
     return gm
 

@@ -23,9 +23,9 @@ import torch
 from torch import fx
 
 from picompile.context import BuildContext, FFNLayer
-import picompile.ops  # noqa: F401  (registers picompile::ffn)
+import picompile.ir.ops  # noqa: F401  (registers picompile::ffn)
 from picompile.errors import PatternError
-from picompile.graph import get_tensor
+from picompile.ir.graph import get_tensor
 from picompile.passes.registry import register_pass
 
 aten = torch.ops.aten

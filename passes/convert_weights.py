@@ -7,16 +7,16 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-import picompile.ops  # noqa: F401  (registers picompile:: ops)
+import picompile.ir.ops  # noqa: F401  (registers picompile:: ops)
 from picompile.context import BuildContext
 from picompile.errors import PassError
-from picompile.graph import drop_unused_weights, get_tensor
-from picompile.ops import is_picompile_op
-from picompile.passes.insert_predictors import add_buffer
+from picompile.ir.graph import drop_unused_weights, get_tensor
+from picompile.ir.ops import is_picompile_op
+from picompile.ir.patterns import WEIGHT_DTYPES as DTYPES
+from picompile.ir.patterns import add_buffer
 from picompile.passes.registry import register_pass
 
 aten = torch.ops.aten
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16}
 # picompile op -> positions of the weight tensors it reads in the artifact's weight dtype
 # (b_up goes with its rows: the kernels take it in the weight dtype)
 WEIGHT_ARGS: dict[str, tuple[int, ...]] = {"ffn": (1, 2, 3, 4), "sparse_ffn": (1, 2, 3, 4), "oracle_mask": (1, 2, 6)}

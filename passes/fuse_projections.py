@@ -7,24 +7,14 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-import picompile.ops  # noqa: F401  (registers picompile:: ops)
+import picompile.ir.ops  # noqa: F401  (registers picompile:: ops)
 from picompile.context import BuildContext
-from picompile.graph import drop_unused_weights, get_tensor
-from picompile.ops import is_picompile_op
-from picompile.passes.insert_predictors import add_buffer
+from picompile.ir.graph import drop_unused_weights, get_tensor
+from picompile.ir.ops import is_picompile_op
+from picompile.ir.patterns import add_buffer, linear_parts
 from picompile.passes.registry import register_pass
 
 aten = torch.ops.aten
-
-
-def linear_parts(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:
-    """(x, w, b) of a linear node (aten's or picompile's) whose weight (and bias) are stored tensors, else None."""
-    if node.op != "call_function" or not (node.target is aten.linear.default or is_picompile_op(node.target, "linear")):
-        return None
-    x, w, *rest = node.args
-    b = rest[0] if rest else node.kwargs.get("bias")
-    stored = all(isinstance(t, fx.Node) and t.op == "get_attr" for t in (w, *([b] if b is not None else [])))
-    return (x, w, b) if isinstance(x, fx.Node) and stored else None  # type: ignore[return-value]
 
 
 @register_pass("fuse-projections")

@@ -6,22 +6,13 @@ from __future__ import annotations
 
 from torch import fx
 
-import picompile.ops  # noqa: F401  (registers picompile:: ops)
+import picompile.ir.ops  # noqa: F401  (registers picompile:: ops)
 import torch
 from picompile.context import BuildContext
 from picompile.errors import PassError
-from picompile.passes.profile_activations import decider_nodes, ffn_nodes
+from picompile.ir.patterns import add_buffer, decider_nodes, ffn_nodes
+from picompile.ir.schema import arg, call_args, set_args
 from picompile.passes.registry import register_pass
-
-MASK_ARG = 8  # position of ``mask`` in picompile.ffn's arguments
-
-
-def add_buffer(gm: fx.GraphModule, name: str, tensor: torch.Tensor, before: fx.Node) -> fx.Node:
-    """Register ``tensor`` on the graph module and return a get_attr node for it."""
-    gm.register_buffer(name, tensor.detach().contiguous())
-    with gm.graph.inserting_before(before):
-        return gm.graph.get_attr(name)
-
 
 @register_pass("insert-predictors")
 def insert_predictors(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
@@ -31,7 +22,7 @@ def insert_predictors(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
     nodes = ffn_nodes(gm)
     for layer in ctx.ffn_layers:
         node = nodes[layer.index]
-        x = node.args[0]
+        x = arg(node, "x")
         if mode == "trained":
             pred = ctx.predictors.get(layer.index)
             if pred is None:
@@ -41,17 +32,16 @@ def insert_predictors(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
             offset = None if pred.offset is None else add_buffer(gm, f"predictor{layer.index}_offset", pred.offset,
                                                                   node)  # [n_neurons]
             with gm.graph.inserting_before(node):
-                mask = gm.graph.call_function(torch.ops.picompile.predict.default,
-                                              (x, fc1, fc2, float(pred.threshold), layer.index, pred.act, offset))
+                mask = gm.graph.call_function(torch.ops.picompile.predict.default, call_args("predict", dict(
+                    x=x, fc1=fc1, fc2=fc2, threshold=float(pred.threshold), layer=layer.index, act=pred.act,
+                    offset=offset)))
         else:
             cal = ctx.calibration.get(layer.index)
             threshold = 0.0 if cal is None else float(cal.threshold)
             w, b, w_mul = decider_nodes(node, ctx.config.act_criterion)
             with gm.graph.inserting_before(node):
-                mask = gm.graph.call_function(torch.ops.picompile.oracle_mask.default,
-                                              (x, w, b, layer.act, threshold, layer.index, w_mul))
-        args = list(node.args) + [None] * (MASK_ARG + 1 - len(node.args))
-        args[MASK_ARG] = mask
-        node.args = tuple(args)
+                mask = gm.graph.call_function(torch.ops.picompile.oracle_mask.default, call_args("oracle_mask", dict(
+                    x=x, w=w, b=b, act=layer.act, threshold=threshold, layer=layer.index, w_mul=w_mul)))
+        set_args(node, mask=mask)
     gm.recompile()
     return gm

@@ -13,12 +13,12 @@ from typing import Any
 import torch
 from torch import fx
 
-import picompile.ops  # noqa: F401  (registers picompile:: ops)
+import picompile.ir.ops  # noqa: F401  (registers picompile:: ops)
 from picompile.context import BuildContext
 from picompile.errors import PassError
-from picompile.graph import get_tensor
-from picompile.ops import is_picompile_op
-from picompile.passes.fuse_projections import linear_parts
+from picompile.ir.graph import get_tensor
+from picompile.ir.ops import is_picompile_op
+from picompile.ir.patterns import linear_parts
 from picompile.passes.registry import register_pass
 
 aten = torch.ops.aten
@@ -71,7 +71,7 @@ def _predict_spec(fc1: torch.Tensor, fc2: torch.Tensor, act: str, has_offset: bo
 
 
 def _stored_linear(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:
-    """(x, w, b) of a linear with stored weights (``fuse_projections.linear_parts``) on a float32 input: a GEMV per
+    """(x, w, b) of a linear with stored weights (``ir.patterns.linear_parts``) on a float32 input: a GEMV per
     token. float32 weights too: back to back, as in a decode step, the TVM GEMV streams a 1B model's attention and
     lm_head weights at 25.7 GB/s against torch ``F.linear``'s 24.6 (``benchmarks/README.md``)."""
     parts = linear_parts(node)

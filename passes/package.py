@@ -9,10 +9,10 @@ import torch
 from safetensors.torch import save_file
 from torch import fx
 
-from picompile.artifact import Manifest, write_manifest
+from picompile.formats.artifact import Manifest, write_manifest
 from picompile.context import BuildContext
-from picompile.graph import get_tensor, placeholders
-from picompile.passes.capture import dynamic_shapes, example_inputs
+from picompile.frontend.decoder import dynamic_shapes, example_inputs
+from picompile.ir.graph import get_tensor, placeholders
 from picompile.passes.registry import register_pass
 
 GRAPH_FILE = "graph.pt2"
@@ -63,9 +63,9 @@ def lift_weights(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[str], dict[st
 def package(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
     out = ctx.staging_dir
     lifted, keys, tensors = lift_weights(gm)
-    ids, past = example_inputs(ctx)
+    ids, past = example_inputs(ctx.info)
     weights = tuple(tensors[k] for k in keys)
-    ids_dim, past_dims = dynamic_shapes(ctx, len(past))
+    ids_dim, past_dims = dynamic_shapes(ctx.max_seq_len, len(past))
     with torch.no_grad():
         ep = torch.export.export(
             lifted, (ids, *past, *weights), dynamic_shapes=(ids_dim, *past_dims, *([None] * len(weights))), strict=False
@@ -75,7 +75,7 @@ def package(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     tokenizer = None
     if ctx.info.tokenizer is not None:
-        from picompile.tokenizers import load_tokenizer, save_tokenizer
+        from picompile.formats.tokenizers import load_tokenizer, save_tokenizer
 
         tok = load_tokenizer(ctx.info.tokenizer["kind"], Path(ctx.info.tokenizer["path"]))
         tokenizer = save_tokenizer(tok, out)

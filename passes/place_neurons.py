@@ -12,7 +12,7 @@ from torch import fx
 from picompile.context import BuildContext
 from picompile.errors import PassError
 from picompile.passes.registry import register_pass
-from picompile.placement import PlacementProblem, ffn_budget, solve_placement
+from picompile.sparsity.placement import PlacementProblem, ffn_budget, solve_placement
 
 PLACEMENT_FILE = "placement.safetensors"
 ELEM_BYTES = 4  # float32 weights

@@ -8,18 +8,18 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-import picompile.ops  # noqa: F401  (registers picompile:: ops)
+import picompile.ir.ops  # noqa: F401  (registers picompile:: ops)
 from picompile.context import BuildContext
 from picompile.errors import PassError
-from picompile.graph import drop_unused_weights, get_tensor
-from picompile.ops import is_picompile_op
-from picompile.passes.insert_predictors import MASK_ARG, add_buffer
-from picompile.passes.profile_activations import ffn_nodes
+from picompile.ir.graph import drop_unused_weights, get_tensor
+from picompile.ir.ops import is_picompile_op
+from picompile.ir.patterns import add_buffer, ffn_nodes
+from picompile.ir.schema import args_of, call_args, position, set_args
 from picompile.passes.registry import register_pass
 
 aten = torch.ops.aten
-# mask-producing op -> positions of its per-neuron row tensors (permuted with the neurons)
-MASK_ROWS: dict[str, tuple[int, ...]] = {"predict": (2, 6), "oracle_mask": (1, 2, 6)}  # fc2, offset / w, b, w_mul
+# mask-producing op -> its per-neuron row tensors (permuted with the neurons)
+MASK_ROWS: dict[str, tuple[str, ...]] = {"predict": ("fc2", "offset"), "oracle_mask": ("w", "b", "w_mul")}
 
 
 def _permute_mask_producer(gm: fx.GraphModule, mask: fx.Node, perm: torch.Tensor, layer: int) -> None:
@@ -29,13 +29,14 @@ def _permute_mask_producer(gm: fx.GraphModule, mask: fx.Node, perm: torch.Tensor
     else:
         raise PassError(f"layer {layer}: the FFN mask comes from {mask.target}, which split-ffn cannot permute "
                         f"(expected one of {', '.join(MASK_ROWS)})")
-    args = list(mask.args)
-    for pos in positions:
-        if pos >= len(args) or args[pos] is None:
+    args = args_of(mask)
+    permuted = {}
+    for name in positions:
+        if args[name] is None:
             continue
-        t = get_tensor(gm, args[pos])[perm]  # rows in hot-then-cold order
-        args[pos] = add_buffer(gm, f"ffn{layer}_{op}_rows{pos}", t, mask)
-    mask.args = tuple(args)
+        t = get_tensor(gm, args[name])[perm]  # rows in hot-then-cold order
+        permuted[name] = add_buffer(gm, f"ffn{layer}_{op}_rows{position(op, name)}", t, mask)
+    set_args(mask, **permuted)
 
 
 @register_pass("split-ffn")
@@ -46,8 +47,9 @@ def split_ffn(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
     g = gm.graph
     for layer, hot, cold in zip(ctx.ffn_layers, ctx.placement.hot, ctx.placement.cold):
         node = nodes[layer.index]
-        x, w_up, b_up, w_gate, w_down, b_down, act, index = node.args[:8]
-        mask = node.args[MASK_ARG] if len(node.args) > MASK_ARG else None
+        a = args_of(node)
+        x, w_up, b_up, w_gate, w_down, b_down, act, index, mask = (a[k] for k in (
+            "x", "w_up", "b_up", "w_gate", "w_down", "b_down", "act", "layer", "mask"))
         hot_t, cold_t = torch.as_tensor(hot, dtype=torch.long), torch.as_tensor(cold, dtype=torch.long)
         n_hot = int(hot_t.numel())
         if mask is not None:
@@ -58,19 +60,19 @@ def split_ffn(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
             def rows(t: torch.Tensor | None, role: str) -> fx.Node | None:
                 return None if t is None else add_buffer(gm, f"ffn{layer.index}_{part}_{role}", t[idx], node)
 
-            args = (
-                x,
-                rows(up, "up"),
-                rows(None if b_up is None else get_tensor(gm, b_up), "up_bias"),
-                rows(None if w_gate is None else get_tensor(gm, w_gate), "gate"),
-                rows(down_t, "down_t"),
+            weights = dict(
+                w_up=rows(up, "up"),
+                b_up=rows(None if b_up is None else get_tensor(gm, b_up), "up_bias"),
+                w_gate=rows(None if w_gate is None else get_tensor(gm, w_gate), "gate"),
+                w_down_t=rows(down_t, "down_t"),
             )
             with g.inserting_before(node):
                 part_mask = None if mask is None else g.call_function(aten.slice.Tensor, (mask, -1, lo, hi))
-                parts.append(g.call_function(torch.ops.picompile.sparse_ffn.default,
-                                             (*args, part_mask, act, index, part, device)))
+                parts.append(g.call_function(torch.ops.picompile.sparse_ffn.default, call_args("sparse_ffn", dict(
+                    x=x, **weights, mask=part_mask, act=act, layer=index, part=part, device=device))))
         with g.inserting_before(node):
-            merged = g.call_function(torch.ops.picompile.merge.default, (parts[0], parts[1], b_down, index))
+            merged = g.call_function(torch.ops.picompile.merge.default, call_args("merge", dict(
+                hot=parts[0], cold=parts[1], bias=b_down, layer=index)))
         merged.meta.update({k: v for k, v in node.meta.items() if k in ("val", "tensor_meta", "nn_module_stack")})
         node.replace_all_uses_with(merged)
         g.erase_node(node)

@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 # measured here, a 10%-active FFN kernel ran at 38% of copy bandwidth right after torch ops with the
 # default policy and at 87% with PASSIVE. It only takes effect if set before torch starts OpenMP, so it
 # is set when picompile is imported (the CLI imports picompile first); an explicit value is kept.
-# The user's own value is kept for engines measured beside picompile (PyTorch, llama.cpp: picompile.bench),
+# The user's own value is kept for engines measured beside picompile (PyTorch, llama.cpp: picompile.tools.bench),
 # and passed on to child processes, which inherit the PASSIVE set here ("" in the variable: it was unset).
 _USER_KEY = "PICOMPILE_USER_OMP_WAIT_POLICY"
 os.environ.setdefault(_USER_KEY, os.environ.get("OMP_WAIT_POLICY", ""))

@@ -7,7 +7,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
-from picompile.artifact import staged_output
+from picompile.formats.artifact import staged_output
 from picompile.config import BuildConfig
 from picompile.context import BuildContext
 from picompile.errors import PicompileError
@@ -65,7 +65,7 @@ def build_from_config(
         raise PicompileError(f"--max-seq-len {config.max_seq_len} exceeds the model's {info.max_seq_len} positions")
     tokenizer = None
     if info.tokenizer is not None:
-        from picompile.tokenizers import load_tokenizer
+        from picompile.formats.tokenizers import load_tokenizer
 
         tokenizer = load_tokenizer(info.tokenizer["kind"], Path(info.tokenizer["path"]))
     torch.manual_seed(config.seed)

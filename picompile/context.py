@@ -57,11 +57,11 @@ class BuildContext:
     pipeline: list[str] = field(default_factory=list)  # pass names this build runs
     ffn_layers: list[FFNLayer] = field(default_factory=list)
     manifest_extra: dict[str, Any] = field(default_factory=dict)  # sections later passes add
-    tokenizer: Any | None = None  # picompile.tokenizers.Tokenizer of the model, if it has one
+    tokenizer: Any | None = None  # picompile.formats.tokenizers.Tokenizer of the model, if it has one
     calibration: dict[int, Any] = field(default_factory=dict)  # layer -> LayerCalibration (profile pass)
     calibration_ids: torch.Tensor | None = None  # [T] the calibration token ids (profile pass)
     predictors: dict[int, Any] = field(default_factory=dict)  # layer -> Predictor (train-predictors)
-    placement: Any | None = None  # picompile.placement.Placement (place-neurons)
+    placement: Any | None = None  # picompile.sparsity.placement.Placement (place-neurons)
     track: Callable[[Iterable[Any], str], Iterator[Any]] = _no_progress  # progress bar over a loop
     pass_times: dict[str, float] = field(default_factory=dict)
 

@@ -14,7 +14,7 @@ from torch import fx
 
 from picompile.context import BuildContext
 from picompile.errors import PassError, PicompileError
-from picompile.graph import format_graph, lint
+from picompile.ir.graph import format_graph, lint
 
 # PowerInfer's offline half: profile → predictors → placement → predictor nodes → hot/cold split
 _SPARSE: list[str] = [

@@ -73,7 +73,7 @@ def run_passes(ctx: "BuildContext", names: list[str], gm: "torch.fx.GraphModule 
     if gm is None:
         return run_pipeline(ctx, names, emit=lambda s: None)
     import picompile.passes  # noqa: F401
-    from picompile.graph import lint
+    from picompile.ir.graph import lint
     from picompile.passes.registry import PASSES
 
     for name in names:

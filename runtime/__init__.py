@@ -23,7 +23,7 @@ def load(path: str | Path, verify: bool = True, dense: bool = False, hybrid: str
     bfloat16 copy of the weights it converts, ~3e-3 relative error per GEMM; see ``runtime/compute_dtype.py``);
     decode is unchanged.
     """
-    from picompile.artifact import read_manifest
+    from picompile.formats.artifact import read_manifest
     from picompile.runtime.hybrid import check_mode
     from picompile.runtime.loader import load_graph
 
@@ -45,7 +45,7 @@ def load(path: str | Path, verify: bool = True, dense: bool = False, hybrid: str
     graph = load_graph(root, manifest, dense=dense, hybrid=hybrid, direct=True)
     tokenizer = None
     if manifest.tokenizer:
-        from picompile.tokenizers import load_tokenizer_entry
+        from picompile.formats.tokenizers import load_tokenizer_entry
 
         tokenizer = load_tokenizer_entry(manifest.tokenizer, root)
     return Session(root, manifest, graph, tokenizer, compile=compile, prefill_dtype=prefill_dtype)

@@ -28,8 +28,8 @@ import torch
 from torch import Tensor, fx
 
 from picompile.errors import InputError, PicompileError
-from picompile.graph import get_tensor
-from picompile.ops import DirectCall, is_picompile_op
+from picompile.ir.graph import get_tensor
+from picompile.ir.ops import DirectCall, is_picompile_op
 from picompile.runtime.hybrid import PART_OPS, HybridFFN, resolve_mode
 
 StepFn = Callable[..., tuple[Tensor, ...]]  # (ids [1, seq], *past) -> (logits, *presents), or (logits,) in place

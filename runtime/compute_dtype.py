@@ -1,7 +1,7 @@
 """The prefill graph's GEMMs in another dtype: ``with_compute_dtype(gm, torch.bfloat16)``.
 
 linear / FFN ops reading float16 (or float32) weights → the same ops reading bfloat16 copies of them, which
-``picompile.ops.lin`` computes in bfloat16 (activations rounded to bfloat16, float32 accumulation, result
+``picompile.ir.ops.lin`` computes in bfloat16 (activations rounded to bfloat16, float32 accumulation, result
 widened back). On a CPU with AMX, torch's bfloat16 GEMM (oneDNN) runs 2.4× its float32 / float16 GEMM
 (measured here: 24 against 59 ms for [512, 2048] × [2048, 5632]); float16 GEMMs get no such unit, so a
 float16 artifact's prefill runs at float32 speed. Costs: a bfloat16 copy of every weight it converts (the
@@ -15,8 +15,8 @@ import torch
 from torch import fx
 
 from picompile.errors import InputError
-from picompile.graph import shared_copy
-from picompile.ops import call_directly, is_picompile_op
+from picompile.ir.graph import shared_copy
+from picompile.ir.ops import call_directly, is_picompile_op
 
 aten = torch.ops.aten
 _OPS = torch.ops.picompile

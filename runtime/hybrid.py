@@ -41,10 +41,10 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 from torch import Tensor, fx
 
-import picompile.ops  # noqa: F401  (registers picompile:: ops)
+import picompile.ir.ops  # noqa: F401  (registers picompile:: ops)
 from picompile.errors import InputError
-from picompile.graph import get_tensor
-from picompile.ops import KERNEL_TABLE, DirectCall, is_picompile_op
+from picompile.ir.graph import get_tensor
+from picompile.ir.ops import KERNEL_TABLE, DirectCall, is_picompile_op
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +229,7 @@ class CudaPartition:
 
     def _reference(self, x: Tensor, weights: Weights, mask: Optional[Tensor]) -> Tensor:
         act, layer, part, device = self.part.consts[:4]
-        return picompile.ops.sparse_ffn(x, *weights, mask, act, layer, part, device)  # [..., d_model]
+        return picompile.ir.ops.sparse_ffn(x, *weights, mask, act, layer, part, device)  # [..., d_model]
 
     def _run_kernel(self, x: Tensor, weights: Weights, idx: Tensor) -> Tensor:
         import tvm_ffi

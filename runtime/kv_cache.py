@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, fx
 
-from picompile.graph import placeholders, shared_copy
+from picompile.ir.graph import placeholders, shared_copy
 
 aten = torch.ops.aten
 SEQ_DIM = 2  # past / present layout [batch, kv_heads, seq, head_dim]

@@ -9,10 +9,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import fx
 
-from picompile.artifact import Manifest
+from picompile.formats.artifact import Manifest
 from picompile.errors import ArtifactError
-from picompile.graph import drop_metadata_asserts, flatten_codegen, placeholders, shared_copy
-from picompile.ops import call_directly  # importing picompile.ops registers the ops the graph calls
+from picompile.ir.graph import drop_metadata_asserts, flatten_codegen, placeholders, shared_copy
+from picompile.ir.ops import call_directly  # importing picompile.ir.ops registers the ops the graph calls
 
 
 def bind_weights(gm: fx.GraphModule, n_inputs: int, keys: list[str], tensors: dict[str, torch.Tensor]) -> fx.GraphModule:
@@ -38,7 +38,7 @@ MASK_ARGS: dict[str, int] = {"ffn": 8, "sparse_ffn": 5, "tvm_sparse_ffn": 5}
 
 def mask_positions(node: fx.Node) -> tuple[int, ...]:
     """Positions of ``node``'s neuron mask arguments (none unless it is an FFN op or a hybrid scheduler)."""
-    from picompile.ops import is_picompile_op
+    from picompile.ir.ops import is_picompile_op
     from picompile.runtime.hybrid import HYBRID_MASK_ARGS, HybridFFN
 
     if node.op != "call_function":
@@ -81,7 +81,7 @@ def load_graph(root: Path, manifest: Manifest, dense: bool = False, hybrid: str 
     ``dense``: drop the predictor masks, so every neuron is computed (see :func:`drop_masks`).
     ``hybrid``: how each FFN layer's hot and cold partitions run ("off": the graph as built; "auto",
     "inline", "thread", "cuda": see :func:`picompile.runtime.hybrid.schedule_hybrid`).
-    ``direct``: picompile ops called past torch's dispatcher (:func:`picompile.ops.call_directly`) and
+    ``direct``: picompile ops called past torch's dispatcher (:func:`picompile.ir.ops.call_directly`) and
     torch.export's metadata asserts dropped — for running, not for exporting or printing the graph.
     """
     g = manifest.graph
@@ -129,14 +129,14 @@ def stale_kernels(entries: list[dict[str, Any]]) -> list[str]:
 
 
 def load_kernels(root: Path, entries: list[dict[str, Any]]) -> None:
-    """Load the kernels a manifest lists ("kernels") into picompile.ops.KERNEL_TABLE (TVM runtime only).
+    """Load the kernels a manifest lists ("kernels") into picompile.ir.ops.KERNEL_TABLE (TVM runtime only).
 
     CUDA kernels are loaded only where a CUDA device is present.
     """
     if not entries:
         return
     from picompile.kernels import KERNEL_ABI_VERSION, KernelSpec, load_kernel
-    from picompile.ops import KERNEL_TABLE
+    from picompile.ir.ops import KERNEL_TABLE
 
     stale = stale_kernels(entries)
     if stale:

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from torch import fx
 
-from picompile.graph import get_tensor
-from picompile.ops import KERNEL_TABLE, _threshold, is_picompile_op
+from picompile.ir.graph import get_tensor
+from picompile.ir.ops import KERNEL_TABLE, _threshold, is_picompile_op
 
 SOURCE = Path(__file__).with_name("native_ops.cpp")
 _STATE: dict[str, str] = {}  # "error": why the library is unavailable ("" once loaded)
@@ -84,7 +84,7 @@ def _bound(node: fx.Node, op: object) -> dict[str, object]:
 def to_native(gm: fx.GraphModule) -> int:
     """Rewrite ``gm`` (a one-token decode graph whose picompile ops are their torch overloads) in place: every
     CPU kernel call becomes its ``picompile_native`` op. Returns how many nodes were rewritten."""
-    from picompile import ops
+    from picompile.ir import ops
 
     native = torch.ops.picompile_native
     count = 0

@@ -1,6 +1,6 @@
 // picompile_native: the one-token TVM kernel calls of a decode step as C++ torch ops.
 //
-// The Python ops (picompile.ops.tvm_linear / tvm_sparse_ffn / tvm_predict) turn a mask into row indices,
+// The Python ops (picompile.ir.ops.tvm_linear / tvm_sparse_ffn / tvm_predict) turn a mask into row indices,
 // allocate the output and call the kernel through tvm_ffi's Python binding. Here the same work is done in
 // C++, and the kernel is called through the TVM-FFI C ABI (TVMFFIFunctionCall on the handle of the loaded
 // function), so a compiled decode step whose wrapper is C++ (inductor's cpp_wrapper) calls its kernels

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, fx
 
-from picompile.artifact import Manifest
+from picompile.formats.artifact import Manifest
 from picompile.errors import InputError
 from picompile.runtime.compute_dtype import resolve as resolve_compute_dtype
 from picompile.runtime.compute_dtype import with_compute_dtype

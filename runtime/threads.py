@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from picompile.graph import get_tensor
-from picompile.ops import is_picompile_op
+from picompile.ir.graph import get_tensor
+from picompile.ir.ops import is_picompile_op
 
 aten = torch.ops.aten
 _ROW_LOOKUPS = (aten.embedding.default,)  # read one row of their weight, not all of it

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from picompile.ops import activation_score, is_picompile_op
+from picompile.ir.ops import activation_score, is_picompile_op
 from picompile.passes.allocate_sparsity import greedy_allocation
 from picompile.testing import context_for, run_passes
 

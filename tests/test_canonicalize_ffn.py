@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from picompile.errors import PatternError
-from picompile.graph import count_ops
+from picompile.ir.graph import count_ops
 from picompile.passes.canonicalize_ffn import canonicalize_ffn
 from picompile.passes.capture import capture
 from picompile.testing import context_for

@@ -91,7 +91,7 @@ def cpu_artifact(checkpoints: dict, tmp_path_factory: pytest.TempPathFactory) ->
 
 def test_trivial_ops_fold_into_aten(cpu_artifact: Path) -> None:
     """The compiled copy: merge → adds, the empty hot part → zeros_like; auto (inline here) compiles "off"."""
-    from picompile.ops import is_picompile_op
+    from picompile.ir.ops import is_picompile_op
     from picompile.runtime.compile import _opaque_copy
 
     eager = picompile.load(cpu_artifact)

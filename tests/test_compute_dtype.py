@@ -11,8 +11,8 @@ import torch
 
 import picompile
 from picompile.errors import InputError
-from picompile.graph import get_tensor
-from picompile.ops import is_picompile_op
+from picompile.ir.graph import get_tensor
+from picompile.ir.ops import is_picompile_op
 from picompile.runtime.compute_dtype import with_compute_dtype
 from picompile.runtime.loader import without_masks
 

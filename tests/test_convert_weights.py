@@ -9,8 +9,8 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 import picompile
-from picompile.graph import count_ops, get_tensor
-from picompile.ops import is_picompile_op
+from picompile.ir.graph import count_ops, get_tensor
+from picompile.ir.ops import is_picompile_op
 from picompile.testing import context_for, decode_logits, run_passes
 
 PREFIX = ["capture", "canonicalize-ffn", "fold-kv-repeat", "profile-activations", "train-predictors", "place-neurons",

@@ -68,9 +68,9 @@ def test_sampling_is_seeded(artifacts: dict) -> None:
 
 def test_session_calls_ops_directly(checkpoints: dict, tmp_path: Path) -> None:
     """A loaded session calls picompile ops past torch's dispatcher, with the same results and op names."""
-    from picompile.artifact import read_manifest
-    from picompile.graph import count_ops
-    from picompile.ops import DirectCall, is_picompile_op
+    from picompile.formats.artifact import read_manifest
+    from picompile.ir.graph import count_ops
+    from picompile.ir.ops import DirectCall, is_picompile_op
     from picompile.runtime.loader import load_graph
 
     art = picompile.build(checkpoints[("llama", "relu")], output=tmp_path / "s.pic", calibration_tokens=256,

@@ -1,4 +1,4 @@
-"""picompile.gguf_export on the tiny synthetic Llama: GGUF tensors and metadata, and llama.cpp's logits vs
+"""picompile.formats.gguf_export on the tiny synthetic Llama: GGUF tensors and metadata, and llama.cpp's logits vs
 transformers (optional extras: skipped without ``gguf``; the llama.cpp checks without ``llama_cpp``)."""
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from picompile.errors import PicompileError  # noqa: E402
-from picompile.gguf_export import export_gguf, main, permute_qk, read_hparams, tensor_names  # noqa: E402
-from picompile.synthetic import make_synthetic  # noqa: E402
+from picompile.formats.gguf_export import export_gguf, main, permute_qk, read_hparams, tensor_names  # noqa: E402
+from picompile.tools.synthetic import make_synthetic  # noqa: E402
 
 TOKENS: list[int] = [1, 7, 42, 300, 511, 5, 99, 256]
 
@@ -136,7 +136,7 @@ def test_llama_cpp_logits_match_transformers(tiny: Path, tiny_gguf: dict[str, Pa
 
 def test_bench_auto_gguf(tiny: Path, tmp_path: Path) -> None:
     """--gguf auto converts once into the cache and reuses the file; the llama.cpp engine runs on it."""
-    from picompile.bench import auto_gguf, llama_cpp_engine
+    from picompile.tools.bench import auto_gguf, llama_cpp_engine
 
     out = auto_gguf(str(tiny), "f16", tmp_path)
     assert out == tmp_path / "gguf" / "tiny-llama-relu-f16.gguf" and out.is_file()

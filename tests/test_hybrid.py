@@ -15,7 +15,7 @@ from torch import fx
 
 import picompile
 from picompile.errors import InputError
-from picompile.ops import is_picompile_op
+from picompile.ir.ops import is_picompile_op
 from picompile.runtime import Session
 from picompile.runtime.hybrid import (
     EmptyPartition,

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from picompile.graph import count_ops, get_tensor
+from picompile.ir.graph import count_ops, get_tensor
 from picompile.testing import context_for, run_passes
 
 PREFIX = ["capture", "canonicalize-ffn", "profile-activations", "train-predictors", "place-neurons"]

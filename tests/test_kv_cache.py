@@ -13,7 +13,7 @@ from torch import fx
 
 import picompile
 from picompile.errors import InputError
-from picompile.graph import placeholders
+from picompile.ir.graph import placeholders
 from picompile.runtime import Session
 from picompile.runtime.kv_cache import ArenaPatternError, arena_step
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from picompile.linear_predictor import candidate_ranks, fit_linear_predictor
-from picompile.predictor import evaluate, train_predictor
+from picompile.sparsity.linear_predictor import candidate_ranks, fit_linear_predictor
+from picompile.sparsity.predictor import evaluate, train_predictor
 
 D_MODEL, N_NEURONS, SUBSPACE = 64, 256, 8
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from picompile.errors import ArtifactError, ModelLoadError
 from picompile.frontend.llama2c import load_llama2c
-from picompile.tokenizers import (
+from picompile.formats.tokenizers import (
     HFTokenizer,
     Llama2cTokenizer,
     Tokenizer,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from picompile.errors import PassError
-from picompile.graph import count_ops
+from picompile.ir.graph import count_ops
 from picompile.runtime.loader import load_kernels
 from picompile.testing import context_for, run_passes
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import picompile
-from picompile import ops
-from picompile.graph import get_tensor
-from picompile.ops import is_picompile_op
+from picompile.ir import ops
+from picompile.ir.graph import get_tensor
+from picompile.ir.ops import is_picompile_op
 from picompile.runtime import native
 
 LOWERED = ("tvm_linear", "tvm_sparse_ffn", "tvm_predict")

@@ -35,7 +35,7 @@ def sparse_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_inspect_exports_onnx_and_dot(sparse_artifact: Path, tmp_path: Path) -> None:
-    from picompile.artifact import read_manifest
+    from picompile.formats.artifact import read_manifest
     from picompile.cli import main
 
     out, dot = tmp_path / "g.onnx", tmp_path / "g.dot"
@@ -69,7 +69,7 @@ def test_inspect_exports_onnx_and_dot(sparse_artifact: Path, tmp_path: Path) -> 
     text = dot.read_text()
     assert text.startswith("digraph")
     from picompile.runtime.loader import load_graph
-    from picompile.ops import is_picompile_op
+    from picompile.ir.ops import is_picompile_op
 
     gm = load_graph(sparse_artifact, m)
     names = [n.name for n in gm.graph.nodes if n.op == "call_function" and is_picompile_op(n.target)]
@@ -81,8 +81,8 @@ def test_inspect_exports_onnx_and_dot(sparse_artifact: Path, tmp_path: Path) -> 
 
 def test_every_picompile_op_translates(tmp_path: Path) -> None:
     """FFN, OracleMask, TvmSparseFFN (and the others) become picompile-domain nodes with their attributes."""
-    import picompile.ops  # noqa: F401
-    from picompile.onnx_export import quiet_exporter, translation_table
+    import picompile.ir.ops  # noqa: F401
+    from picompile.formats.onnx_export import quiet_exporter, translation_table
 
     ops = torch.ops.picompile
 
@@ -123,7 +123,7 @@ def test_every_picompile_op_translates(tmp_path: Path) -> None:
 def test_ort_dense_matches_hf(family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from transformers import AutoModelForCausalLM
 
-    import picompile.ort_reference as ort_ref
+    import picompile.tools.ort_reference as ort_ref
 
     ckpt = save_tiny_checkpoint(tmp_path / family, family, "relu", seed=3)
     session = ort_ref.OrtDenseSession(ckpt, tmp_path / "cache")

@@ -16,7 +16,7 @@ import torch
 import picompile
 from picompile.cli import main
 from picompile.errors import ModelLoadError, PatternError, UnsupportedArchitectureError
-from picompile.graph import count_ops
+from picompile.ir.graph import count_ops
 from picompile.passes.canonicalize_ffn import canonicalize_ffn
 
 PROMPT = [5, 17, 33, 4, 99, 120, 7]
@@ -38,7 +38,7 @@ class _LogitsOnly(torch.nn.Module):
 def onnx_models(checkpoints: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
     """torch.onnx exports (flat KV-cache signature) of the tiny checkpoints, alone in their folder:
     every model fact comes from the graph (no config.json beside)."""
-    from picompile.ort_reference import export_dense_onnx
+    from picompile.tools.ort_reference import export_dense_onnx
 
     root = tmp_path_factory.mktemp("onnx")
     out = {}
@@ -79,7 +79,7 @@ def test_onnx_build_matches_pytorch_build(key: tuple[str, str], onnx_models: dic
 def test_onnx_without_kv_cache_reruns_the_sequence(checkpoints: dict, artifacts: dict, tmp_path: Path) -> None:
     """A logits-only export decodes through a token-history cache (full forward each step)."""
     from picompile.frontend import load_model
-    from picompile.onnx_export import quiet_exporter, save_onnx_program
+    from picompile.formats.onnx_export import quiet_exporter, save_onnx_program
 
     key = ("llama", "relu")
     model, _ = load_model(str(checkpoints[key]))

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from picompile.errors import BudgetError
-from picompile.placement import (
+from picompile.sparsity.placement import (
     Placement,
     PlacementProblem,
     ffn_budget,

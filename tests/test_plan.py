@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from picompile.cli import main
-from picompile.costmodel import BUILTIN_MODELS, synthetic_frequencies
+from picompile.tools.costmodel import BUILTIN_MODELS, synthetic_frequencies
 from picompile.errors import PicompileError
-from picompile.plan import plan
-from picompile.profile_stats import locality
+from picompile.tools.plan import plan
+from picompile.sparsity.profile_stats import locality
 
 BIG = ["opt-30b", "opt-66b", "falcon-40b", "llama2-70b"]
 
@@ -174,7 +174,7 @@ def test_more_sparsity_helps_the_hybrid_and_not_dense_offload() -> None:
 
 
 def test_gpu_sparse_and_balance_only_ever_help_the_hybrid(capsys: pytest.CaptureFixture[str]) -> None:
-    from picompile.costmodel import Assumptions
+    from picompile.tools.costmodel import Assumptions
 
     base = plan("falcon-40b", dtype="int4")  # nearly fits: the GPU half of each layer is the longer one
     sparse = plan("falcon-40b", dtype="int4", assumptions=Assumptions(gpu_sparse=True))

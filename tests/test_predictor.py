@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from picompile.errors import BudgetError
-from picompile.predictor import Predictor, choose_ranks, evaluate, train_predictor, tune_threshold
+from picompile.sparsity.predictor import Predictor, choose_ranks, evaluate, train_predictor, tune_threshold
 
 D_MODEL, N_NEURONS = 64, 512
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from picompile.profile_stats import LayerProfile, locality, sparsity, summarize
+from picompile.sparsity.profile_stats import LayerProfile, locality, sparsity, summarize
 
 
 def test_locality_uniform_skewed_and_edge_cases() -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import picompile
-from picompile.ops import KERNEL_TABLE, is_picompile_op
+from picompile.ir.ops import KERNEL_TABLE, is_picompile_op
 
 REPO = Path(__file__).resolve().parents[1]
 

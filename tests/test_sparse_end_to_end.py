@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 import picompile
 from picompile.cli import main
-from picompile.graph import count_ops
+from picompile.ir.graph import count_ops
 
 PROMPT = [5, 17, 33, 4, 99, 120, 7]
 

@@ -1,4 +1,4 @@
-"""Synthetic activation-sparse checkpoints (picompile.synthetic) and ``picompile bench`` on a tiny artifact."""
+"""Synthetic activation-sparse checkpoints (picompile.tools.synthetic) and ``picompile bench`` on a tiny artifact."""
 from __future__ import annotations
 
 import json
@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import picompile
-from picompile.bench import REQUIRED_KEYS, llama_cpp_engine, measured_active, weight_bytes
+from picompile.tools.bench import REQUIRED_KEYS, llama_cpp_engine, measured_active, weight_bytes
 from picompile.cli import main
-from picompile.profile_stats import locality
-from picompile.synthetic import (
+from picompile.sparsity.profile_stats import locality
+from picompile.tools.synthetic import (
     CARD_FILE,
     make_synthetic,
     measure_sparsity,
@@ -115,7 +115,7 @@ def test_bench_prefill_dtype(tiny_artifact: Path, capsys: pytest.CaptureFixture[
 
 
 def test_bench_bytes_dense_graph_counts_every_row(tiny_artifact: Path) -> None:
-    from picompile.bench import dense_view
+    from picompile.tools.bench import dense_view
 
     session = picompile.load(tiny_artifact, hybrid="off")  # as bench loads it
     dense = weight_bytes(dense_view(session).graph, None)

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from picompile.graph import get_tensor
-from picompile.ops import oracle_mask
+from picompile.ir.graph import get_tensor
+from picompile.ir.ops import oracle_mask
 from picompile.testing import context_for, run_passes
 
 

@@ -4,8 +4,8 @@
 What it takes
 =============
 An ONNX model of one decoder step, as ``torch.onnx.export`` writes it from a causal LM wrapped in
-the flat KV-cache convention of :class:`picompile.passes.capture.FlatDecoder` (what
-:mod:`picompile.ort_reference` exports), or without a cache:
+the flat KV-cache convention of :class:`picompile.frontend.decoder.FlatDecoder` (what
+:mod:`picompile.tools.ort_reference` exports), or without a cache:
 
 - inputs: token ids (int64/int32 ``[1, seq]``: the input named ``input_ids``, else the only integer
   input); optionally ``attention_mask`` ``[1, past + seq]`` (fed all ones) and ``position_ids``
@@ -831,7 +831,7 @@ class OnnxDecoder(torch.nn.Module):
 
     ``flat(input_ids, *past) -> (logits, *presents)`` is the picompile calling convention;
     ``forward(input_ids=…, cache=…, position_ids=…)`` answers the HF calling convention
-    :class:`~picompile.passes.capture.FlatDecoder` uses (past read from and presents written to
+    :class:`~picompile.frontend.decoder.FlatDecoder` uses (past read from and presents written to
     the ``DynamicCache`` layers). Without KV inputs the cache is the token history (module doc).
     """
 

@@ -4,7 +4,7 @@ A predictor is a low-rank map, ``logits = fc2(act(fc1(x))) + offset`` with ``fc1
 ``fc2: r → n_neurons``; neuron ``j`` is predicted active when ``logits[j] >= threshold``. Two kinds:
 
 * ``"linear"`` (default; Deja Vu's form): ``act`` = identity plus a per-neuron ``offset``, fitted in closed
-  form to the neurons' pre-activations by reduced-rank regression (:mod:`picompile.linear_predictor`);
+  form to the neurons' pre-activations by reduced-rank regression (:mod:`picompile.sparsity.linear_predictor`);
 * ``"mlp"`` (PowerInfer's form): ``act`` = ReLU, no offset, trained with BCE on the masks
   (:func:`train_predictor`).
 

@@ -2,10 +2,10 @@
 
 Decode at batch 1 is memory-bound, so the time of one token is, to first order, the bytes each device
 reads divided by its bandwidth. This module counts those bytes from a model's *shape* alone (no
-weights), places hot neurons with :mod:`picompile.placement`, and predicts tokens/s for
+weights), places hot neurons with :mod:`picompile.sparsity.placement`, and predicts tokens/s for
 
 * ``hybrid`` — PowerInfer: dense parts (attention, predictors, norms, lm_head, KV cache) on the GPU
-  in :data:`picompile.placement.FIXED_PART_PRIORITY` order, hot FFN neurons on the GPU, cold ones on
+  in :data:`picompile.sparsity.placement.FIXED_PART_PRIORITY` order, hot FFN neurons on the GPU, cold ones on
   the CPU, where only the neurons the predictor marks active are read. Per layer::
 
       t_l = t_dense_gpu + max(t_hot_gpu, t_cold_cpu) + t_sync
@@ -48,7 +48,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from picompile.errors import BudgetError, PicompileError
-from picompile.placement import Placement, PlacementProblem, ffn_budget, greedy_placement, solve_placement
+from picompile.sparsity.placement import Placement, PlacementProblem, ffn_budget, greedy_placement, solve_placement
 from picompile.targets import Target
 
 GB: float = 1e9
@@ -388,7 +388,7 @@ def load_model_inputs(spec: str, assumptions: Assumptions, sparsity: float | Non
 
 def _artifact_inputs(root: Path, assumptions: Assumptions, sparsity: float | None,
                      locality: float | None) -> ModelInputs:
-    from picompile.artifact import read_manifest
+    from picompile.formats.artifact import read_manifest
 
     m = read_manifest(root, verify=False)
     model = m.model

@@ -1,7 +1,7 @@
 """A dense onnxruntime reference of the SOURCE model: what ``eval`` / ``bench --vs ort`` compare against.
 
 The model an artifact was built from (``manifest.model["source"]``: an HF checkpoint directory or a
-llama2.c ``.bin``) is loaded in float32, wrapped in :class:`picompile.passes.capture.FlatDecoder`
+llama2.c ``.bin``) is loaded in float32, wrapped in :class:`picompile.frontend.decoder.FlatDecoder`
 and exported once with torch.onnx (dynamo) to an ONNX model with the artifact's flat KV-cache
 signature::
 
@@ -55,8 +55,8 @@ def export_dense_onnx(source: str | Path, out: Path) -> dict[str, Any]:
     import torch
 
     from picompile.frontend import load_model
-    from picompile.onnx_export import io_names, quiet_exporter, require_onnxscript, save_onnx_program
-    from picompile.passes.capture import FlatDecoder
+    from picompile.formats.onnx_export import io_names, quiet_exporter, require_onnxscript, save_onnx_program
+    from picompile.frontend.decoder import FlatDecoder
 
     require_onnxscript()
 
@@ -155,7 +155,7 @@ class OrtDenseSession:
 
 def for_artifact(root: str | Path, cache_dir: str | Path | None = None, **kwargs: Any) -> OrtDenseSession:
     """The dense ORT reference of the model an artifact was built from (cache: picompile's cache dir)."""
-    from picompile.artifact import read_manifest
+    from picompile.formats.artifact import read_manifest
     from picompile.config import default_cache_dir
 
     manifest = read_manifest(Path(root), verify=False)

@@ -5,19 +5,15 @@
 
 MODEL_OR_CONFIG: a Hugging Face checkpoint directory or its config.json (no weights are read), a
 picompile artifact (its model config, recorded activation counts and predictor sizes), or a built-in
-name (:data:`picompile.costmodel.BUILTIN_MODELS`). The model itself is :mod:`picompile.costmodel`.
+name (:data:`picompile.tools.costmodel.BUILTIN_MODELS`). The model itself is :mod:`picompile.tools.costmodel`.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 from typing import Any
 
-from picompile.costmodel import (
-    BUILTIN_MODELS,
+from picompile.tools.costmodel import (
     DTYPE_BYTES,
-    GB,
     MEASURED_HOST_CPU_GBS,
     Assumptions,
     CostModel,
@@ -25,7 +21,7 @@ from picompile.costmodel import (
     measure_cpu_bandwidth,
 )
 from picompile.errors import PicompileError
-from picompile.targets import TARGETS, get_target
+from picompile.targets import get_target
 
 STRATEGY_ORDER: tuple[str, ...] = ("hybrid", "layer_offload", "cpu", "layer_offload_sparse", "cpu_sparse")
 
@@ -131,7 +127,7 @@ def plan(
     return out
 
 
-def _print(result: dict[str, Any]) -> None:
+def print_plan(result: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -168,49 +164,3 @@ def _print(result: dict[str, Any]) -> None:
     sp = result["speedup"]
     con.print(f"hybrid vs layer offload: {sp['hybrid_vs_layer_offload']:.2f}×; vs CPU dense: {sp['hybrid_vs_cpu']:.2f}×; "
               f"CPU sparse vs dense: {sp['cpu_sparse_vs_cpu']:.2f}×; fastest: [bold]{result['best']}[/bold]")
-
-
-def cmd_plan(args: argparse.Namespace) -> int:
-    a = Assumptions(
-        predictor_recall=args.predictor_recall, predictor_overhead=args.predictor_overhead,
-        predictor_fraction=args.predictor_fraction, context=args.context, gpu_sparse=args.gpu_sparse, balance=args.balance,
-        placement_batch=args.placement_batch, min_layer_neurons=args.min_layer_neurons, placement=args.placement,
-    )
-    if args.placement_batch < 1 or args.min_layer_neurons < 0:
-        raise PicompileError("--placement-batch must be >= 1 and --min-layer-neurons >= 0")
-    result = plan(args.model, args.target, vram_budget_gib=args.vram_budget, dtype=args.dtype, sparsity=args.sparsity,
-                  locality=args.locality, cpu_bandwidth=args.cpu_bandwidth, gpu_bandwidth=args.gpu_bandwidth, assumptions=a)
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        _print(result)
-    return 0
-
-
-def add_subcommand(sub: Any) -> None:
-    d = Assumptions()
-    p = sub.add_parser("plan", help="predict decode tokens/s: hybrid vs llama.cpp layer offload vs CPU",
-                       description="Predict decode tokens/s of a model on a target: PowerInfer hybrid, llama.cpp layer offload and CPU-only, side by side.")
-    p.add_argument("model", metavar="MODEL_OR_CONFIG",
-                   help=f"HF checkpoint dir or config.json, a picompile artifact, or one of: {', '.join(BUILTIN_MODELS)}")
-    p.add_argument("--target", default="rtx4090", help=f"target preset: {', '.join(TARGETS)} (default rtx4090)")
-    p.add_argument("--vram-budget", type=float, metavar="GIB", help="GPU memory budget in GiB (overrides the target)")
-    p.add_argument("--dtype", choices=list(DTYPE_BYTES), help="weight format (default float16; an artifact: its own)")
-    p.add_argument("--sparsity", type=float, metavar="F", help="fraction of FFN neurons inactive per token (synthetic profile)")
-    p.add_argument("--locality", type=float, metavar="F", help="fraction of neurons carrying 80%% of activations (synthetic profile)")
-    p.add_argument("--cpu-bandwidth", metavar="GBS", help="host memory bandwidth in GB/s, 'host' (measured here) or 'measure'")
-    p.add_argument("--gpu-bandwidth", type=float, metavar="GBS", help="GPU memory bandwidth in GB/s (overrides the target)")
-    p.add_argument("--context", type=int, default=d.context, metavar="N", help=f"tokens in the KV cache (default {d.context})")
-    p.add_argument("--predictor-recall", type=float, default=d.predictor_recall, metavar="F")
-    p.add_argument("--predictor-overhead", type=float, default=d.predictor_overhead, metavar="F",
-                   help=f"false positives / true actives (default {d.predictor_overhead})")
-    p.add_argument("--predictor-fraction", type=float, default=d.predictor_fraction, metavar="F",
-                   help=f"predictor params / FFN params per layer (default {d.predictor_fraction})")
-    p.add_argument("--gpu-sparse", action="store_true", help="the GPU reads only predicted-active hot neurons")
-    p.add_argument("--balance", action="store_true",
-                   help="hybrid: keep a hot neuron on the GPU only while that shortens the layer (GPU reads all hot rows)")
-    p.add_argument("--placement", choices=["auto", "ilp", "greedy"], default=d.placement)
-    p.add_argument("--placement-batch", type=int, default=d.placement_batch, metavar="N")
-    p.add_argument("--min-layer-neurons", type=int, default=d.min_layer_neurons, metavar="N")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(fn=cmd_plan)

@@ -8,9 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from picompile.artifact import Manifest, read_manifest
+from picompile.formats.artifact import Manifest, read_manifest
 from picompile.errors import ArtifactError, PicompileError
-from picompile.profile_stats import LayerProfile, summarize
+from picompile.sparsity.profile_stats import LayerProfile, summarize
 
 # per-layer keys later passes add to the manifest's layer objects, shown when present
 LAYER_COLUMNS: list[str] = ["n_hot", "n_cold", "predictor_kind", "predictor_rank", "recall", "predicted_active", "sparsity"]
@@ -88,7 +88,7 @@ def inspect_artifact(root: Path, as_json: bool = False, graph: bool = False, ver
         plot_profiles(profiles, plot, f"{m.model['architecture']} from {Path(m.model['source']).name}: "
                       f"{m.sections['profile']['n_tokens']} calibration tokens")
     if export_onnx is not None or dot is not None:
-        from picompile.onnx_export import export_graph_dot, export_graph_onnx
+        from picompile.formats.onnx_export import export_graph_dot, export_graph_onnx
 
         if export_onnx is not None:
             export_graph_onnx(root, export_onnx, verify=False)
@@ -147,7 +147,7 @@ def inspect_artifact(root: Path, as_json: bool = False, graph: bool = False, ver
         if path is not None:
             console.print(f"wrote {path}")
     if graph:
-        from picompile.graph import format_graph
+        from picompile.ir.graph import format_graph
         from picompile.runtime.loader import load_graph
 
         print(format_graph(load_graph(root, m)))

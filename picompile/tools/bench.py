@@ -12,8 +12,8 @@ Every engine runs on the same prompt (seeded random token ids) and decodes greed
                        in a process of its own (``picompile/engine_worker.py``: the user's OpenMP settings,
                        not the PASSIVE wait policy picompile sets for itself, which slows eager PyTorch ~8 %);
 * optional extras, skipped with a printed reason when not installed: ONNX Runtime on the same weights
-  (``picompile.ort_reference.OrtDenseSession``) and llama.cpp (``llama_cpp`` with a GGUF given by ``--gguf``;
-  ``--gguf auto`` converts the source checkpoint with ``picompile.gguf_export`` into
+  (``picompile.tools.ort_reference.OrtDenseSession``) and llama.cpp (``llama_cpp`` with a GGUF given by ``--gguf``;
+  ``--gguf auto`` converts the source checkpoint with ``picompile.formats.gguf_export`` into
   ``<cache>/gguf/NAME-TYPE.gguf``, reused while newer than the checkpoint; ``--gguf-type`` f32 (default,
   as the artifact's weights) or f16; ``pip install 'picompile[bench]'``). llama.cpp runs the same thread
   count as the other engines, its KV cache in the ``--gguf-type``, in a process of its own
@@ -36,7 +36,7 @@ of ``benchmarks/kernels.py``.
 """
 from __future__ import annotations
 
-import argparse
+
 import inspect
 import json
 import os
@@ -157,9 +157,9 @@ def compiled_view(session: Any) -> Any:
 def ort_engine(source: str, cache_dir: Path, threads: int) -> Engine | str:
     """ONNX Runtime on the same weights, or the reason it is skipped."""
     try:
-        from picompile import ort_reference  # noqa: F401  (another module; may be absent)
+        from picompile.tools import ort_reference  # noqa: F401  (another module; may be absent)
     except ImportError as e:
-        return f"picompile.ort_reference is not available ({e})"
+        return f"picompile.tools.ort_reference is not available ({e})"
     try:
         import onnxruntime  # noqa: F401
     except ImportError:
@@ -202,7 +202,7 @@ def auto_gguf(source: str, gguf_type: str, cache_dir: Path, emit: Callable[[str]
 
     if importlib.util.find_spec("gguf") is None:
         return "--gguf auto needs the 'gguf' package (pip install 'picompile[bench]')"
-    from picompile.gguf_export import export_gguf, read_hparams
+    from picompile.formats.gguf_export import export_gguf, read_hparams
 
     ckpt = Path(source)
     try:
@@ -325,7 +325,7 @@ class WorkerEngine:
 
 # -- bytes per token -------------------------------------------------------------------------------
 def _op_name(target: object) -> str | None:
-    from picompile.ops import is_picompile_op
+    from picompile.ir.ops import is_picompile_op
 
     for name in FFN_OPS:
         if is_picompile_op(target, name):
@@ -776,47 +776,3 @@ def print_report(result: dict[str, Any], console: Any | None = None) -> None:
 
 
 # -- command line ----------------------------------------------------------------------------------
-def add_subcommand(sub: Any) -> None:
-    p = sub.add_parser("bench", help="decode / prefill speed of an artifact vs dense PyTorch eager",
-                       description=__doc__.splitlines()[0])
-    p.add_argument("artifact")
-    p.add_argument("--tokens", type=int, default=32, metavar="N", help="decode steps per round (default 32)")
-    p.add_argument("--prompt-len", type=int, default=64, metavar="P", help="prompt tokens (default 64)")
-    p.add_argument("--repeats", type=int, default=5, metavar="R", help="timed interleaved rounds (default 5)")
-    p.add_argument("--threads", type=int, metavar="T", help="torch and TVM threads (default: physical cores)")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.add_argument("--no-dense-artifact", action="store_true", help="skip the load(dense=True) column")
-    p.add_argument("--no-extras", action="store_true", help="skip ONNX Runtime and llama.cpp")
-    p.add_argument("--gguf", metavar="FILE|auto",
-                   help="GGUF of the same weights for the llama.cpp column; 'auto' converts the artifact's source "
-                        "checkpoint (cached under <cache>/gguf; needs picompile[bench])")
-    p.add_argument("--gguf-type", choices=GGUF_TYPES,
-                   help="weight type of --gguf auto's conversion and llama.cpp's KV cache (default: the artifact's, "
-                        "f16 for --weight-dtype float16 builds, else f32)")
-    p.add_argument("--copy-mib", type=int, default=256, metavar="MIB", help="bandwidth copy buffer (default 256)")
-    p.add_argument("--compile", action="store_true",
-                   help="also run the step through torch.compile (load(compile=True)); the ratios are then the "
-                        "compiled step's, the eager one stays beside it")
-    p.add_argument("--prefill-dtype", choices=["bfloat16"],
-                   help="add a column: the step with the prompt's GEMMs in this dtype (load(prefill_dtype=...)), "
-                        "and how its prompt logits compare with the default's")
-    p.add_argument("--mask-tokens", type=int, default=8, metavar="N",
-                   help="decode steps whose masks are counted for bytes/token (0: use the manifest)")
-    p.set_defaults(fn=cmd_bench)
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    err = Console(stderr=True, highlight=False)
-    with err.status("benchmarking") as status:
-        result = run_bench(args.artifact, args.tokens, args.prompt_len, args.repeats, args.threads,
-                           dense_artifact=not args.no_dense_artifact, extras=not args.no_extras,
-                           gguf=args.gguf, gguf_type=args.gguf_type, copy_mib=args.copy_mib,
-                           mask_tokens=args.mask_tokens, compile=args.compile, prefill_dtype=args.prefill_dtype,
-                           emit=lambda s: status.update(s))
-    if args.json:
-        sys.stdout.write(json.dumps(result) + "\n")
-    else:
-        print_report(result)
-    return 0

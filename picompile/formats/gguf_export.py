@@ -1,8 +1,8 @@
 """Convert a Hugging Face Llama-family checkpoint (safetensors) to a GGUF file for llama.cpp.
 
-    from picompile.gguf_export import export_gguf
+    from picompile.formats.gguf_export import export_gguf
     export_gguf(Path("ckpt"), Path("model.gguf"), outtype="f16")
-    python -m picompile.gguf_export CKPT OUT --outtype f16
+    python -m picompile.formats.gguf_export CKPT OUT --outtype f16
 
 Used by ``picompile bench --gguf auto`` to run llama.cpp (``llama-cpp-python``) as a dense baseline on
 the very weights an artifact was built from. Needs the optional ``gguf`` package
@@ -248,7 +248,7 @@ def plan_tensors(checkpoint_dir: Path, hp: LlamaHParams, outtype: str) -> list[P
 def write_hparams(writer: Any, hp: LlamaHParams, outtype: str) -> None:
     gguf = _gguf()
     writer.add_name(hp.name)
-    writer.add_description(f"converted by picompile.gguf_export from a Hugging Face checkpoint with "
+    writer.add_description(f"converted by picompile.formats.gguf_export from a Hugging Face checkpoint with "
                            f"hidden_act={hp.hidden_act}; llama.cpp's llama architecture computes SiLU"
                            f"{'' if hp.hidden_act == 'silu' else ' (same weights, different activation)'}; "
                            "placeholder tokenizer")
@@ -379,7 +379,7 @@ def tensor_names(hp: LlamaHParams) -> Iterator[str]:
 
 # -- command line ----------------------------------------------------------------------------------
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m picompile.gguf_export", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m picompile.formats.gguf_export", description=__doc__.splitlines()[0])
     ap.add_argument("checkpoint", type=Path, help="Hugging Face Llama-family checkpoint directory (safetensors)")
     ap.add_argument("out", type=Path, help="GGUF file to write")
     ap.add_argument("--outtype", choices=OUTTYPES, default="f16", help="type of the 2-D weights (default f16)")

@@ -1,8 +1,8 @@
 """Seeded random **activation-sparse** checkpoints (synthetic, labelled so everywhere) for benchmarks and tests.
 
-    from picompile.synthetic import make_synthetic
+    from picompile.tools.synthetic import make_synthetic
     path = make_synthetic("llama-1b-relu")          # cached under <cache>/synthetic/NAME, reused if present
-    python -m picompile.synthetic llama-1b-relu     # prints the path and measured per-layer sparsity/locality
+    python -m picompile.tools.synthetic llama-1b-relu     # prints the path and measured per-layer sparsity/locality
 
 These are *not* language models: the weights are random. They have the shapes of real ReLU LLMs and
 FFN activations that are sparse and skewed in a controlled way, so that speed measurements of
@@ -100,7 +100,7 @@ def power_law_frequencies(n: int, active: float, locality: float, p_max: float =
     ``p(u) = min(p_max, a · u^-alpha)``, ``u = (i + 0.5) / n``: ``mean(p) = active`` and the fraction of
     neurons carrying 80 % of the total is ``locality`` (as closely as the discrete n allows).
     """
-    from picompile.profile_stats import locality as loc80
+    from picompile.sparsity.profile_stats import locality as loc80
 
     if not 0.0 < active < p_max:
         raise PicompileError(f"active must be in (0, {p_max}), got {active}")
@@ -376,7 +376,7 @@ def measure_sparsity(model: torch.nn.Module, n_tokens: int = 256, seed: int = 1)
     Counted by forward hooks on each layer's activation module (``mlp.act_fn`` / ``activation_fn``):
     a neuron is active for a token when its ReLU output is > 0.
     """
-    from picompile.profile_stats import LayerProfile, locality
+    from picompile.sparsity.profile_stats import LayerProfile, locality
 
     layers = list(_layers(model))
     acts = [layer.mlp.act_fn if hasattr(layer, "mlp") else layer.activation_fn for layer in layers]
@@ -449,7 +449,7 @@ def _card(params: SyntheticParams, shape: SyntheticShape, description: dict[str,
     lines = [
         f"# SYNTHETIC checkpoint `{params.shape}` — random weights, not a language model",
         "",
-        f"Made by `picompile.synthetic` (generator version {params.generator_version}) with seed {params.seed}. "
+        f"Made by `picompile.tools.synthetic` (generator version {params.generator_version}) with seed {params.seed}. "
         f"Shape of {shape.like}: {shape.family}, d_model {shape.d_model}, {shape.n_neurons} FFN neurons, "
         f"{shape.n_layers} layers, {shape.n_heads} heads ({shape.n_kv_heads} KV), vocab {shape.vocab}, ReLU.",
         "",
@@ -531,7 +531,7 @@ def load_stats(path: Path) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m picompile.synthetic", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m picompile.tools.synthetic", description=__doc__.splitlines()[0])
     ap.add_argument("shape", choices=list(SHAPES))
     ap.add_argument("-o", "--out", help="checkpoint directory (default: <cache>/synthetic/NAME)")
     ap.add_argument("--seed", type=int, default=0)

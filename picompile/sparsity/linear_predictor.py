@@ -6,7 +6,7 @@ each standardised to unit variance, on the layer input with a rank-``r`` linear 
 form, ``fc2 · fc1 · x``), then divides each neuron's prediction by the std of its residual on the training
 tokens: the score ``ẑ_j / σ_j`` is how many residual stds the neuron is predicted above its firing point,
 so one threshold over all neurons (tuned to the recall target on held-out tokens) marks the neurons most
-likely to fire. Unlike BCE training on the masks (:func:`picompile.predictor.train_predictor`) this uses
+likely to fire. Unlike BCE training on the masks (:func:`picompile.sparsity.predictor.train_predictor`) this uses
 *how far* each neuron is from firing, needs no epochs, and is deterministic.
 
 The fit, with centred ``X [N, d]`` and standardised centred margins ``Z [N, n]``:
@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from picompile.predictor import Predictor, PredictorReport, mask_metrics, round_weights_, tune_threshold
+from picompile.sparsity.predictor import Predictor, PredictorReport, mask_metrics, round_weights_, tune_threshold
 
 RIDGE: float = 1e-3  # λ as a fraction of the mean input variance
 
@@ -117,7 +117,7 @@ def fit_linear_predictor(
             fixed); ``param_cost``: per predictor parameter, in the same unit (a rank-r predictor reads
             ``r · (d_model + n_neurons)`` of them). The kept rank minimises
             ``param_cost·r·(d + n) + predicted_active_fraction · n · row_cost`` on the held-out tokens.
-        recall_target, holdout, seed: as in :func:`picompile.predictor.train_predictor`.
+        recall_target, holdout, seed: as in :func:`picompile.sparsity.predictor.train_predictor`.
         weight_dtype: the dtype fc1/fc2 are stored in; each candidate is rounded to it before its threshold
             is tuned.
     """

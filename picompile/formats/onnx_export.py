@@ -177,7 +177,7 @@ def _t_merge(hot: Any, cold: Any, bias: Optional[Any], layer: int) -> Any:
 
 def translation_table() -> dict[Any, Any]:
     """torch.onnx ``custom_translation_table`` entries for every picompile op."""
-    import picompile.ops  # noqa: F401  (registers the ops)
+    import picompile.ir.ops  # noqa: F401  (registers the ops)
 
     ops = torch.ops.picompile
     return {ops.ffn.default: _t_ffn, ops.predict.default: _t_predict, ops.oracle_mask.default: _t_oracle_mask,
@@ -277,7 +277,7 @@ def export_graph_onnx(root: Path, out: Path, verify: bool = True, external_data:
     """
     require_onnxscript()
     from picompile import __version__
-    from picompile.artifact import read_manifest
+    from picompile.formats.artifact import read_manifest
     from picompile.runtime.loader import load_graph
 
     root, out = Path(root), Path(out)
@@ -328,7 +328,7 @@ _COLOURS: dict[str, str] = {
 
 
 def _picompile_name(node: fx.Node) -> Optional[str]:
-    from picompile.ops import is_picompile_op
+    from picompile.ir.ops import is_picompile_op
 
     if node.op == "call_function" and is_picompile_op(node.target):
         return node.target.name().partition("::")[2].split(".")[0]  # type: ignore[union-attr]
@@ -358,7 +358,7 @@ def _rows_of(gm: fx.GraphModule, node: Any) -> Optional[int]:
     if not isinstance(node, fx.Node):
         return None
     if node.op == "get_attr":
-        from picompile.graph import get_tensor
+        from picompile.ir.graph import get_tensor
 
         return int(get_tensor(gm, node).shape[0])
     shape = _shape(node)
@@ -465,7 +465,7 @@ def graph_dot(gm: fx.GraphModule, title: str = "picompile", collapse: bool = Tru
 
 def export_graph_dot(root: Path, out: Path, collapse: bool = True, verify: bool = True) -> None:
     """Write the artifact's transformed graph as Graphviz DOT (``dot -Tsvg FILE``); see :func:`graph_dot`."""
-    from picompile.artifact import read_manifest
+    from picompile.formats.artifact import read_manifest
     from picompile.runtime.loader import load_graph
 
     root, out = Path(root), Path(out)

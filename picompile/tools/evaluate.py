@@ -57,7 +57,7 @@ class Scorer:
     def __init__(self, session: Any) -> None:
         from torch import fx  # noqa: F811  (the module-level name exists only for type checking)
 
-        from picompile.ops import is_picompile_op
+        from picompile.ir.ops import is_picompile_op
 
         self.session = session
         self.context: int = int(session.max_seq_len)
@@ -457,12 +457,12 @@ def evaluate(artifact: str | Path, ppl: str | Path | None = None, tasks: Sequenc
     ``progress(description, total)`` returns an ``advance(n)`` callable (e.g. a rich progress task).
     """
     import picompile
-    from picompile.artifact import read_manifest
+    from picompile.formats.artifact import read_manifest
 
     # everything cheap (inputs, tokenizer, options) is checked before the graphs are loaded
     manifest = read_manifest(Path(artifact), verify=verify)
     if tokenizer is None and manifest.tokenizer:
-        from picompile.tokenizers import load_tokenizer_entry
+        from picompile.formats.tokenizers import load_tokenizer_entry
 
         tokenizer = load_tokenizer_entry(manifest.tokenizer, Path(artifact))
     inputs = prepare(ppl, tasks, limit, tokenizer=tokenizer, vocab_size=int(manifest.model["vocab_size"]),
@@ -479,7 +479,7 @@ def evaluate(artifact: str | Path, ppl: str | Path | None = None, tasks: Sequenc
     s = run_one(sparse, inputs, stride, advance)
     result = assemble(artifact, sparse, inputs, d, s, stride)
     if vs_ort:
-        from picompile.ort_reference import for_artifact
+        from picompile.tools.ort_reference import for_artifact
 
         ort = OrtScorer(for_artifact(Path(artifact)), sparse.max_seq_len, sparse.vocab_size)
         advance = progress("onnxruntime dense", n) if progress else _noop
@@ -589,7 +589,7 @@ def sweep(artifact: str | Path, inputs: Inputs, values: Sequence[float] | None =
     """Rebuild the artifact's model at several recall targets / act_sparsity values (temp dir) and evaluate each
     sparse build: {"knob", "points": [{knob, skipped_fraction, ppl, nll, tasks}], "options"}."""
     import picompile
-    from picompile.artifact import read_manifest
+    from picompile.formats.artifact import read_manifest
 
     manifest = read_manifest(Path(artifact), verify=False)
     knob, vals = sweep_plan(manifest, values)
@@ -676,64 +676,8 @@ def render(result: dict[str, Any], console: Any) -> None:
         console.print(t2)
 
 
-def cmd_eval(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    values = None
-    if args.sweep_values:
-        try:
-            values = [float(v) for v in args.sweep_values.replace(",", " ").split()]
-        except ValueError:
-            raise PicompileError(f"--sweep-values must be numbers separated by commas, got {args.sweep_values!r}") from None
-    if args.sweep and args.ppl is None and not args.tasks:
-        raise PicompileError("--sweep needs --ppl FILE (and/or --tasks) to measure each build")
-    err = Console(stderr=True, highlight=False)
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err, disable=args.quiet, transient=True) as bar:
-        current: list[Any] = []
-
-        def progress(description: str, total: int) -> Advance:
-            for t in current:
-                bar.remove_task(t)
-            current.clear()
-            tid = bar.add_task(description, total=total or None)
-            current.append(tid)
-            return lambda n=1: bar.advance(tid, n)
-
-        result = evaluate(args.artifact, args.ppl, args.tasks or (), args.limit, stride=args.stride,
-                          max_tokens=args.ppl_tokens, verify=not args.no_verify, do_sweep=args.sweep,
-                          sweep_values=values, vs_ort=args.vs == "ort", progress=progress)
-    if args.json:
-        sys.stdout.write(json.dumps(result, indent=2) + "\n")
-    else:
-        render(result, Console(highlight=False))
-    return 0
-
-
-def add_subcommand(sub: argparse._SubParsersAction) -> None:
-    e = sub.add_parser("eval", help="perplexity and zero-shot accuracy, sparse vs the artifact's dense reference")
-    e.add_argument("artifact")
-    e.add_argument("--ppl", metavar="FILE", help="text file (needs the artifact's tokenizer) or token file (.npy/.json ids)")
-    e.add_argument("--ppl-tokens", type=int, metavar="N", help="score only the first N tokens of --ppl")
-    e.add_argument("--stride", type=int, metavar="N", help="sliding-window stride (default: half the context)")
-    e.add_argument("--tasks", nargs="+", action="extend", metavar="FILE",
-                   help="task jsonl files (piqa/arc/copa {query,choices,gold}; winogrande; rte)")
-    e.add_argument("--limit", type=int, metavar="N", help="the first N examples of each task")
-    e.add_argument("--json", action="store_true", help="machine-readable result on stdout")
-    e.add_argument("--sweep", action="store_true",
-                   help="rebuild the source model at several recall targets (ReLU) or act-sparsity values and "
-                        "print ppl vs skipped fraction")
-    e.add_argument("--sweep-values", metavar="V,V,…", help=f"values to sweep (default recall {RELU_SWEEP} for ReLU, "
-                                                         f"act-sparsity {ACT_SWEEP} otherwise)")
-    e.add_argument("--vs", choices=["ort"], help="also score the dense model in ONNX Runtime (CPU) as a reference")
-    e.add_argument("--no-verify", action="store_true", help="skip the checksum check")
-    e.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    e.set_defaults(fn=cmd_eval)
-
-
 __all__ = [
-    "Example", "Inputs", "Scorer", "Task", "add_subcommand", "continuation_loglik", "encode_request", "evaluate",
+    "Example", "Inputs", "Scorer", "Task", "continuation_loglik", "encode_request", "evaluate",
     "encode_prefix", "manifest_skipped", "prepare", "prepare_for", "read_eval_tokens", "read_task", "rebuild_options",
     "run_one", "score_task",
     "sliding_nll", "sweep", "sweep_plan", "windows",

@@ -1,0 +1,47 @@
+"""``picompile`` command line: one module per subcommand, each with ``add_parser(sub)`` and ``cmd(args)``."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from picompile.cli import bench, build, eval, inspect, plan, run
+from picompile.cli.common import console
+from picompile.errors import PicompileError
+
+SUBCOMMANDS = (build, run, inspect, eval, plan, bench)
+
+
+def parser() -> argparse.ArgumentParser:
+    from picompile import __version__
+
+    p = argparse.ArgumentParser(prog="picompile", description="Ahead-of-time compiler for activation-sparse LLM inference.")
+    p.add_argument("--version", action="version", version=f"picompile {__version__}")
+    p.add_argument("--traceback", action="store_true", help="show the Python traceback of errors")
+    sub = p.add_subparsers(dest="command", required=True)
+    for command in SUBCOMMANDS:
+        command.add_parser(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except PicompileError as e:
+        if args.traceback:
+            raise
+        from rich.markup import escape
+
+        console().print(f"[bold red]error:[/bold red] {escape(str(e))}", highlight=False)
+        return e.exit_code
+    except BrokenPipeError:  # e.g. `picompile inspect A --json | head`
+        sys.stderr.close()
+        return 0
+    except KeyboardInterrupt:
+        console().print("interrupted; nothing was written")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""``picompile run ART``: generate text with an artifact."""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from picompile.cli.common import console
+from picompile.errors import PicompileError
+
+
+def add_parser(sub: Any) -> None:
+    r = sub.add_parser("run", help="generate text with an artifact")
+    r.add_argument("artifact")
+    r.add_argument("--prompt", help="prompt text")
+    r.add_argument("--ids", help="prompt as token ids (comma or space separated)")
+    r.add_argument("-n", type=int, default=32, help="new tokens to generate (default 32)")
+    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    r.add_argument("--top-k", type=int, default=0)
+    r.add_argument("--seed", type=int)
+    r.add_argument("--json", action="store_true")
+    r.add_argument("--no-verify", action="store_true", help="skip the checksum check")
+    r.add_argument("--hybrid", choices=["auto", "inline", "thread", "cuda", "off"], default="auto",
+                   help="how each FFN's hot (GPU) and cold (CPU) parts run: auto = cuda with a GPU, else inline")
+    r.add_argument("--compile", action="store_true",
+                   help="fuse the glue between the kernels with torch.compile (faster decode; the first call "
+                        "compiles, about a minute for a 1B model, seconds once cached; needs a C++ compiler)")
+    r.add_argument("--prefill-dtype", choices=["bfloat16"],
+                   help="compute the prompt's GEMMs in bfloat16 on copies of the weights (CPUs with AMX or "
+                        "AVX512-BF16: faster prefill, coarser logits, more memory); decode is unchanged")
+    r.set_defaults(fn=cmd)
+
+
+def cmd(args: argparse.Namespace) -> int:
+    import picompile
+
+    session = picompile.load(args.artifact, verify=not args.no_verify, hybrid=args.hybrid, compile=args.compile,
+                             prefill_dtype=args.prefill_dtype)
+    if args.ids is not None:
+        try:
+            prompt: Any = [int(t) for t in args.ids.replace(",", " ").split()]
+        except ValueError:
+            raise PicompileError(f"--ids must be token ids separated by commas or spaces, got {args.ids!r}") from None
+    elif args.prompt is not None:
+        prompt = args.prompt
+    else:
+        prompt = [session.eos_id if session.tokenizer is None or session.tokenizer.bos_id is None else session.tokenizer.bos_id]
+        if prompt[0] is None:
+            raise PicompileError("give --prompt TEXT or --ids (this artifact names no BOS token to start from)")
+    start = time.perf_counter()
+    new = session.generate(prompt, args.n, temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+    elapsed = time.perf_counter() - start
+    if args.json:
+        print(json.dumps({"prompt": prompt, "ids": new, "text": session.decode(new) if session.tokenizer else None,
+                          "seconds": elapsed, "compiled": session.compiled}))  # seconds include a compilation
+        return 0
+    if session.tokenizer is not None:
+        print(args.prompt + session.decode(new) if isinstance(prompt, str) else session.decode(prompt + new))
+    else:
+        print(" ".join(str(i) for i in new))
+    note = " (including the step's compilation)" if args.compile else ""
+    console().print(f"[dim]{len(new)} tokens in {elapsed:.2f} s{note}[/dim]")
+    return 0

@@ -1,0 +1,83 @@
+"""Graph patterns the passes share: the FFN nodes by layer, what decides a neuron fires, stored linears, buffers.
+
+Passes never import each other; what two of them need to find in a graph lives here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from picompile.ir.graph import get_tensor
+from picompile.ir.ops import activation_score, is_picompile_op, lin
+from picompile.ir.schema import arg, args_of
+
+aten = torch.ops.aten
+
+# --weight-dtype / --predictor-dtype names -> the dtype a weight is stored in
+WEIGHT_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16}
+
+
+def ffn_nodes(gm: fx.GraphModule) -> dict[int, fx.Node]:
+    """Every picompile.ffn node by its layer index."""
+    return {int(arg(n, "layer")): n for n in gm.graph.nodes if n.op == "call_function" and is_picompile_op(n.target, "ffn")}
+
+
+@dataclass
+class Decider:
+    """What decides if a neuron of one FFN fires: ``activation_score(x, w, b, act, w_mul) > threshold``."""
+
+    w: torch.Tensor  # [n_neurons, d_model] gate rows for gated FFNs, else up rows
+    b: torch.Tensor | None  # [n_neurons] up bias of a plain MLP
+    act: str
+    w_mul: torch.Tensor | None  # [n_neurons, d_model] up rows: the product criterion (gated, non-ReLU), else None
+
+    def score(self, x: torch.Tensor) -> torch.Tensor:  # [N, d_model] -> [N, n_neurons]
+        return activation_score(x, self.w, self.b, self.act, self.w_mul)
+
+    @torch.no_grad()
+    def margin(self, x: torch.Tensor, threshold: float) -> torch.Tensor:  # [N, d_model] -> [N, n_neurons]
+        """How far each neuron is above firing (> 0: fires): ReLU's pre-activation ``w x + b``, else
+        ``score - threshold``."""
+        if self.act == "relu" and self.w_mul is None:
+            return lin(x, self.w, self.b).float() - threshold
+        return self.score(x).float() - threshold
+
+
+def decider_nodes(node: fx.Node, criterion: str = "gate") -> tuple[fx.Node, fx.Node | None, fx.Node | None]:
+    """The weight nodes (w, b, w_mul) of a picompile.ffn ``node`` that decide if a neuron fires: gate rows for
+    gated FFNs (times the up rows for non-ReLU ones under the "product" criterion), else the up rows and bias."""
+    a = args_of(node)
+    if a["w_gate"] is not None:
+        return a["w_gate"], None, a["w_up"] if criterion == "product" and a["act"] != "relu" else None
+    return a["w_up"], a["b_up"], None
+
+
+def decider_of(gm: fx.GraphModule, node: fx.Node, criterion: str = "gate") -> Decider:
+    """The :class:`Decider` of a picompile.ffn ``node`` (its :func:`decider_nodes` as tensors)."""
+    w, b, w_mul = (None if n is None else get_tensor(gm, n) for n in decider_nodes(node, criterion))
+    assert w is not None
+    return Decider(w, b, str(arg(node, "act")), w_mul)
+
+
+def linear_parts(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:
+    """(x, w, b) of a linear node (aten's or picompile's) whose weight (and bias) are stored tensors, else None."""
+    if node.op != "call_function":
+        return None
+    if node.target is aten.linear.default:
+        x, w, *rest = node.args
+        b = rest[0] if rest else node.kwargs.get("bias")
+    elif is_picompile_op(node.target, "linear"):
+        x, w, b = (arg(node, k) for k in ("x", "w", "b"))
+    else:
+        return None
+    stored = all(isinstance(t, fx.Node) and t.op == "get_attr" for t in (w, *([b] if b is not None else [])))
+    return (x, w, b) if isinstance(x, fx.Node) and stored else None  # type: ignore[return-value]
+
+
+def add_buffer(gm: fx.GraphModule, name: str, tensor: torch.Tensor, before: fx.Node) -> fx.Node:
+    """Register ``tensor`` on the graph module and return a get_attr node for it."""
+    gm.register_buffer(name, tensor.detach().contiguous())
+    with gm.graph.inserting_before(before):
+        return gm.graph.get_attr(name)
