@@ -156,6 +156,59 @@ def test_truncated_onnx_is_a_model_load_error(onnx_models: dict, tmp_path: Path)
         assert not (tmp_path / "t.pic").exists()
 
 
+def test_onnx_graph_runs_in_its_module_hierarchy(tmp_path: Path) -> None:
+    """A hand-written logits-only graph: weights named after the modules using them, ``x @ W`` stored in
+    nn.Linear layout, nodes run under their module path, the token-history cache, facts from the graph."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    from picompile.frontend.decoder import FlatDecoder, dynamic_shapes
+    from picompile.frontend.onnx import DEFAULT_MAX_SEQ_LEN, load_onnx
+
+    rng = np.random.default_rng(0)
+    emb = rng.standard_normal((16, 4)).astype(np.float32)  # [vocab, d_model]
+    w = rng.standard_normal((4, 16)).astype(np.float32)  # [d_in, d_out]: read as x @ W
+    nodes = [
+        helper.make_node("Gather", ["model.embed_tokens.weight", "input_ids"], ["h"], name="/model/embed_tokens/Gather"),
+        helper.make_node("Shape", ["h"], ["shape"], name="/model/layers.0/Shape"),
+        helper.make_node("Reshape", ["h", "shape"], ["h2"], name="/model/layers.0/Reshape"),
+        helper.make_node("Relu", ["h2"], ["a"], name="/model/layers.0/mlp/act_fn/Relu"),
+        helper.make_node("MatMul", ["a", "val_3"], ["logits"], name="/model/layers.0/mlp/up_proj/MatMul"),
+    ]
+    path = _onnx_file(tmp_path / "tiny.onnx", nodes,
+                      [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "seq"])],
+                      [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "seq", 16])],
+                      [numpy_helper.from_array(emb, "model.embed_tokens.weight"), numpy_helper.from_array(w, "val_3")])
+    module, info = load_onnx(path)
+    assert (info.n_layers, info.d_model, info.vocab_size, info.max_seq_len) == (1, 4, 16, DEFAULT_MAX_SEQ_LEN)
+    assert (info.n_kv_heads, info.head_dim) == (1, 1)
+    assert info.extra["onnx"]["kv_cache"] == "token-history"
+    assert info.extra["onnx"]["facts_from"]["num_hidden_layers"] == "layer names"
+    params = dict(module.named_parameters())
+    assert sorted(params) == ["embed_tokens.weight", "layers.0.mlp.up_proj.weight"]  # the shared root "model" dropped
+    assert torch.equal(params["layers.0.mlp.up_proj.weight"], torch.from_numpy(w.T))  # [d_out, d_in]
+
+    def expected(ids: list[int]) -> torch.Tensor:  # [1, seq, vocab]
+        return torch.from_numpy(np.maximum(emb[ids], 0) @ w)[None]
+
+    empty = [torch.zeros(1, 1, 0, 1), torch.zeros(1, 1, 0, 1)]
+    logits, *hist = module.flat(torch.tensor([[3, 1, 4]]), *empty)
+    assert torch.allclose(logits, expected([3, 1, 4]), atol=1e-5)
+    assert [h.reshape(-1).tolist() for h in hist] == [[3.0, 1.0, 4.0]] * 2  # [1, 1, past, 1]: the tokens so far
+    logits, *hist = module.flat(torch.tensor([[1, 5]]), *hist)
+    assert logits.shape == (1, 2, 16) and torch.allclose(logits, expected([1, 5]), atol=1e-5)
+    assert hist[0].shape == (1, 1, 5, 1)
+
+    ids, past = torch.tensor([[2, 7]]), tuple(torch.zeros(1, 1, 3, 1) for _ in range(2))
+    ep = torch.export.export(FlatDecoder(module, 1).eval(), (ids, past), strict=False,
+                             dynamic_shapes=dynamic_shapes(64, 2))
+    stacks = {str(n.target): [p for p, _ in n.meta.get("nn_module_stack", {}).values()]
+              for n in ep.graph.nodes if n.op == "call_function"}
+    mm = next(stack for target, stack in stacks.items() if "mm" in target or "matmul" in target)
+    assert mm[-1] == "model.layers.0.mlp.up_proj"  # canonicalize-ffn finds the layer by this path
+    assert torch.allclose(ep.module()(ids, past)[0], module.flat(ids, *past)[0])
+
+
 # ---- canonicalize-ffn on the linear-like forms other frontends produce
 
 class _Mlp(torch.nn.Module):

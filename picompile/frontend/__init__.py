@@ -56,8 +56,8 @@ def load_model(spec: str) -> tuple[torch.nn.Module, ModelInfo]:
             tokenizer = {"kind": "llama2c", "path": str(tok)} if tok.is_file() else None
             config = model.config.to_dict()
             return model, _info(model, config, "LlamaForCausalLM", "llama", str(path), "llama2c", tokenizer, meta)
-        if path.suffix == ".onnx":  # an ONNX decoder step (see picompile.frontend.onnx_import)
-            from picompile.frontend.onnx_import import load_onnx
+        if path.suffix == ".onnx":  # an ONNX decoder step (see picompile.frontend.onnx)
+            from picompile.frontend.onnx import load_onnx
 
             return load_onnx(path)
         raise ModelLoadError(
