@@ -12,8 +12,9 @@ Steps (each timed; a failure is recorded in the JSON and the run goes on; exit 1
    schedule and is reported as such) at 0 / 1 / 10 / 100 % active rows of a 7B layer (11008 x 4096),
    against a float64 torch reference on the GPU: max error (tolerance 1e-3 of the largest magnitude) and
    GB/s against the device's measured copy bandwidth.
-2. ``hybrid``: the carried synthetic artifact (built here for ``--target h200``, ``--vram-budget`` about half its
-   FFN bytes above the fixed parts, so both partitions are used) runs ``hybrid="cuda"`` and is compared, logit
+2. ``hybrid``: the carried synthetic artifact (built here for ``--target h200`` with a ``--vram-budget`` of the
+   fixed parts place-neurons puts first plus a tenth of the FFN: below the float16 model, both partitions
+   used; ``budget_bytes``) runs ``hybrid="cuda"`` and is compared, logit
    by logit over a prompt and greedy decode, with the same artifact on the CPU (``hybrid="off"``):
    max |difference| / max |logit| <= 2e-3 (float16 weights on both sides, float32 accumulation in
    another order; measured between thread and off in the dry run: 0).
@@ -32,7 +33,7 @@ Prepared on the CPU side (``--dry-run`` does it; everything cached, a rerun reus
 every arch in ``--archs`` (sm_80, sm_89, sm_90; only the device's arch travels, in ``.gpu_check/kernels``),
 the artifact in ``.gpu_check/`` with its llvm kernels built for ``x86-64-v3`` (the device's CPU is another
 one; AVX2 runs on any x86-64 server of the last decade), and the TVM runtime libraries in ``.gpu_check/tvm/lib``.
-The device also needs ``apache-tvm-ffi`` for its Python (3.12): carry its wheel in ``.whl``
+The device also needs ``apache-tvm-ffi==0.1.14.post1`` for its Python (3.12): carry its wheel in ``.whl``
 (``/work/.library/device/README.md``) and start with the README's ``pip install --target /tmp/site`` line.
 Device command (carry ``.gpu_check`` and ``.whl``; timeout 420 s)::
 
@@ -40,10 +41,13 @@ Device command (carry ``.gpu_check`` and ``.whl``; timeout 420 s)::
         .whl/*.whl && export PYTHONPATH=/tmp/site; PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py \\
         --json-out $OUT/gpu_check.json
 
-Dry run on the 2-core CPU machine (2026-12-01, first run / cached rerun): prepare kernels for 3 archs
-66 s / 1 s, synthetic checkpoint + artifact 95 s / 0 s, CPU kernel harness 9 s, hybrid (thread vs off)
-4 s, throughput harness 3 s. GPU machine estimate printed by the plan: about 250 s of the 480 allowed
-(start-up 120, transfer and install 20, imports and CUDA start 15, kernels ~40, hybrid ~20, throughput ~35).
+Dry run on the shared 2-core CPU machine (2026-12-01; first run, every cache empty / rerun, caches warm):
+prepare_kernels (22 kernels x sm_80, sm_89, sm_90) 103 s / 1 s; prepare_artifact (synthetic checkpoint and
+the h200 build) 47 s / 0 s; kernels (the CPU harness, 22 llvm kernels compiled) 48 s / 2 s; hybrid (thread
+against off, 96 tokens) 16 s; throughput (4 engines, all on the CPU) 32 s: 4 min / 50 s. ``--shape tiny``
+(the test): 29 s. GPU machine estimate (the plan printed first): 256 s of the 480 allowed (start-up 120,
+transfer and install 20, imports and CUDA start 15, kernels 20, hybrid 20, throughput 61). The carried folder
+is 37 MB (artifact 31, TVM runtime 4, sm_90 kernels 2), the tracked tree 6 MB: 43 MB of the 64 MiB.
 """
 from __future__ import annotations
 
@@ -398,7 +402,8 @@ def hybrid_step(opt: Options, art: Path, mode: str) -> dict[str, Any]:
     problems = [p for p, bad in [
         (f"hybrid mode is {hyb.hybrid_mode}, not {mode}", hyb.hybrid_mode != mode),
         (f"layers left unscheduled: {hyb.hybrid_skipped}", bool(hyb.hybrid_skipped)),
-        (f"hot parts without their CUDA kernel: {backends}", mode == "cuda" and backends != ["CudaPartition+kernel"]),
+        (f"hot parts without their CUDA kernel: {backends}",  # EmptyPartition: a layer without hot rows
+         mode == "cuda" and ("CudaPartition" in backends or "CudaPartition+kernel" not in backends)),
         (f"prefill logits differ by {prefill_err:.2e}", not prefill_err <= LOGIT_TOLERANCE),
         (f"decode logits differ by {max(errors, default=0):.2e}", not max(errors, default=0) <= LOGIT_TOLERANCE),
     ] if bad]
