@@ -43,17 +43,22 @@ def session_engine(session: Any) -> Engine:
 
 
 def torch_engine(model: Any, first: str) -> Engine:
-    """Greedy decode of an HF model with its KV cache; ``first`` is the device of its embedding."""
+    """Greedy decode of an HF model with its KV cache; ``first`` is the device of its embedding. The cache
+    argument is ``cache`` in transformers >= 5.24 and ``past_key_values`` before (the device has 5.17)."""
+    import inspect
+
     import torch
+
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def prefill(ids: list[int]) -> tuple[Any, int]:
         with torch.inference_mode():
             out = model(input_ids=torch.tensor([ids], device=first), use_cache=True)
-        return out.past_key_values, int(torch.argmax(out.logits[0, -1]))
+        return getattr(out, name), int(torch.argmax(out.logits[0, -1]))
 
     def decode(cache: Any, tok: int) -> int:
         with torch.inference_mode():
-            out = model(input_ids=torch.tensor([[tok]], device=first), past_key_values=cache, use_cache=True)
+            out = model(input_ids=torch.tensor([[tok]], device=first), use_cache=True, **{name: cache})
         return int(torch.argmax(out.logits[0, -1]))
 
     return prefill, decode

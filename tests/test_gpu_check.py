@@ -182,6 +182,19 @@ def test_dry_run_checks_the_harness_and_the_schedule(dry_run: tuple[int, dict[st
     assert off["budget_bytes"] == result["prepare_artifact"]["budget_bytes"]
 
 
+def test_a_wrong_hybrid_merge_fails_the_hybrid_check(dry_run: tuple[int, dict[str, Any], Path],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import picompile.runtime.hybrid as hybrid
+
+    _, result, _ = dry_run
+    art = Path(result["prepare_artifact"]["artifact"])
+    opt = gc.Options(gc.SHAPES["tiny"], True, ("sm_90",), art.parent, art.parent, None)
+    merge = hybrid.merge_parts
+    monkeypatch.setattr(hybrid, "merge_parts", lambda hot, cold, bias: merge(hot * 1.01, cold, bias))  # 1 % off
+    check = gc.hybrid_step(opt, art, "thread")
+    assert not check["ok"] and any("logits differ" in p for p in check["problems"])
+
+
 # -- on a device ------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 def test_kernel_step_on_the_device(tmp_path: Path) -> None:
