@@ -42,10 +42,10 @@ Device command (carry ``.gpu_check`` and ``.whl``; timeout 420 s)::
         --json-out $OUT/gpu_check.json
 
 Dry run on the shared 2-core CPU machine (2026-12-01; first run, every cache empty / rerun, caches warm):
-prepare_kernels (22 kernels x sm_80, sm_89, sm_90) 103 s / 1 s; prepare_artifact (synthetic checkpoint and
-the h200 build) 47 s / 0 s; kernels (the CPU harness, 22 llvm kernels compiled) 48 s / 2 s; hybrid (thread
-against off, 96 tokens) 16 s; throughput (4 engines, all on the CPU) 32 s: 4 min / 50 s. ``--shape tiny``
-(the test): 29 s. GPU machine estimate (the plan printed first): 256 s of the 480 allowed (start-up 120,
+prepare_kernels (22 kernels x sm_80, sm_89, sm_90) 103 s / 2 s; prepare_artifact (synthetic checkpoint and
+the h200 build) 47 s / 0 s; kernels (the CPU harness, 22 llvm kernels compiled) 48 s / 0.3 s; hybrid (thread
+against off, 96 tokens) 16 s / 8 s; throughput (4 engines, all on the CPU) 32 s / 17 s: 4 min / 31 s.
+``--shape tiny`` (the test): 29 s. GPU machine estimate (the plan printed first): 256 s of the 480 allowed (start-up 120,
 transfer and install 20, imports and CUDA start 15, kernels 20, hybrid 20, throughput 61). The carried folder
 is 37 MB (artifact 31, TVM runtime 4, sm_90 kernels 2), the tracked tree 6 MB: 43 MB of the 64 MiB.
 """
