@@ -5,21 +5,16 @@
 
 MODEL_OR_CONFIG: a Hugging Face checkpoint directory or its config.json (no weights are read), a
 picompile artifact (its model config, recorded activation counts and predictor sizes), or a built-in
-name (:data:`picompile.tools.costmodel.BUILTIN_MODELS`). The model itself is :mod:`picompile.tools.costmodel`.
+name (:data:`picompile.tools.model_shapes.BUILTIN_MODELS`). The model itself is :mod:`picompile.tools.costmodel`,
+its inputs :mod:`picompile.tools.plan_inputs`.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-from picompile.tools.costmodel import (
-    DTYPE_BYTES,
-    MEASURED_HOST_CPU_GBS,
-    Assumptions,
-    CostModel,
-    load_model_inputs,
-    measure_cpu_bandwidth,
-)
+from picompile.tools.costmodel import DTYPE_BYTES, MEASURED_HOST_CPU_GBS, CostModel, measure_cpu_bandwidth
+from picompile.tools.plan_inputs import Assumptions, load_model_inputs
 from picompile.errors import PicompileError
 from picompile.targets import get_target
 
