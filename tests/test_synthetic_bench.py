@@ -13,13 +13,8 @@ from picompile.tools.engines import llama_cpp_engine
 from picompile.tools.traffic import measured_active, weight_bytes
 from picompile.cli import main
 from picompile.sparsity.profile_stats import locality
-from picompile.tools.synthetic import (
-    CARD_FILE,
-    make_synthetic,
-    measure_sparsity,
-    power_law_frequencies,
-    synthetic_params_of,
-)
+from picompile.tools.synthetic import CARD_FILE, make_synthetic, measure_sparsity, synthetic_params_of
+from picompile.tools.synthetic_model import power_law_frequencies
 
 TINY = ("tiny-llama-relu", "tiny-opt")
 
