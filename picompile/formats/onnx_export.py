@@ -403,7 +403,16 @@ def graph_dot(gm: fx.GraphModule, title: str = "picompile", collapse: bool = Tru
     lines = [f"digraph {_q(title)} {{", "  rankdir=TB;", f"  label={_q(title)}; labelloc=t;",
              '  node [shape=box, style="rounded,filled", fillcolor="#f3f3f3", fontname="Helvetica", fontsize=10];',
              '  edge [color="#666666"];']
-    group: dict[fx.Node, str] = {}  # fx node -> DOT id it is drawn as
+    group, members = _dot_nodes(gm, collapse, lines)
+    lines += _dot_segments(members)
+    lines += _dot_edges(gm, group)
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def _dot_nodes(gm: fx.GraphModule, collapse: bool, lines: list[str]) -> tuple[dict[fx.Node, str], dict[str, list[fx.Node]]]:
+    """Append the drawn nodes to ``lines``; return (fx node -> the DOT id it is drawn as, segment id -> its nodes)."""
+    group: dict[fx.Node, str] = {}
     members: dict[str, list[fx.Node]] = {}
     seg = 0
     prev_was_pi = True
@@ -433,6 +442,12 @@ def graph_dot(gm: fx.GraphModule, title: str = "picompile", collapse: bool = Tru
             gid = f"seg{seg}"
             group[node] = gid
             members.setdefault(gid, []).append(node)
+    return group, members
+
+
+def _dot_segments(members: dict[str, list[fx.Node]]) -> list[str]:
+    """One box per collapsed run of nodes, counting its most frequent ops."""
+    lines = []
     for gid, nodes in members.items():
         counts = Counter(_op_label(n) for n in nodes if n.op == "call_function")
         top = ", ".join(f"{k} {v}" for k, v in counts.most_common(4))
@@ -441,6 +456,12 @@ def graph_dot(gm: fx.GraphModule, title: str = "picompile", collapse: bool = Tru
         else:
             label = f"{len(nodes)} ops\\n{top}" if top else f"{len(nodes)} nodes"
         lines.append(f"  {_q(gid)} [label={_q(label)}, shape=box, style=filled, fillcolor=\"#eeeeee\", fontsize=8];")
+    return lines
+
+
+def _dot_edges(gm: fx.GraphModule, group: dict[fx.Node, str]) -> list[str]:
+    """Each edge between two drawn boxes, once."""
+    lines = []
     edges: set[tuple[str, str]] = set()
     for node in gm.graph.nodes:
         dst = group.get(node)
@@ -451,5 +472,4 @@ def graph_dot(gm: fx.GraphModule, title: str = "picompile", collapse: bool = Tru
             if src is not None and src != dst and (src, dst) not in edges:
                 edges.add((src, dst))
                 lines.append(f"  {_q(src)} -> {_q(dst)};")
-    lines.append("}")
-    return "\n".join(lines) + "\n"
+    return lines

@@ -57,16 +57,22 @@ def evaluate(artifact: str | Path, ppl: str | Path | None = None, tasks: Sequenc
     s = run_one(sparse, inputs, stride, advance)
     result = assemble(artifact, sparse, inputs, d, s, stride)
     if vs_ort:
-        from picompile.tools.ort_reference import for_artifact
-
-        ort = OrtScorer(for_artifact(Path(artifact)), sparse.max_seq_len, sparse.vocab_size)
         advance = progress("onnxruntime dense", n) if progress else no_progress
-        o = run_one(sparse, inputs, stride, advance, scorer=ort)
-        result["ort_dense"] = {k: o[k] for k in ("ppl", "nll", "tokens") if k in o}
-        result["ort_dense"]["tasks"] = {name: {"acc": t["acc"], "acc_norm": t["acc_norm"]} for name, t in o["tasks"].items()}
+        result["ort_dense"] = ort_dense(artifact, sparse, inputs, stride, advance)
     if do_sweep:
         result["sweep"] = sweep(artifact, inputs, sweep_values, stride=stride, progress=progress)
     return result
+
+
+def ort_dense(artifact: str | Path, session: Any, inputs: Inputs, stride: int | None, advance: Advance) -> dict[str, Any]:
+    """The dense source model in ONNX Runtime over the same inputs (``--vs ort``): ppl, nll, tokens, task accuracy."""
+    from picompile.tools.ort_reference import for_artifact
+
+    ort = OrtScorer(for_artifact(Path(artifact)), session.max_seq_len, session.vocab_size)
+    o = run_one(session, inputs, stride, advance, scorer=ort)
+    out = {k: o[k] for k in ("ppl", "nll", "tokens") if k in o}
+    out["tasks"] = {name: {"acc": t["acc"], "acc_norm": t["acc_norm"]} for name, t in o["tasks"].items()}
+    return out
 
 
 def assemble(artifact: str | Path, session: Any, inputs: Inputs, d: dict[str, Any], s: dict[str, Any],
@@ -120,6 +126,13 @@ def _delta(a: float | None, b: float | None, digits: int = 4, pct: bool = False)
 
 
 def render(result: dict[str, Any], console: Any) -> None:
+    """The result as tables: dense against sparse (and ONNX Runtime), then the sweep's trade-off."""
+    console.print(_main_table(result))
+    if result.get("sweep"):
+        console.print(_sweep_table(result))
+
+
+def _main_table(result: dict[str, Any]) -> Any:
     from rich.table import Table
 
     table = Table(title=f"picompile eval {result['artifact']} (context {result['context']}, "
@@ -145,23 +158,27 @@ def render(result: dict[str, Any], console: Any) -> None:
     for name, t in (o or {}).get("tasks", {}).items():
         table.add_row(f"{name} acc, ONNX Runtime dense", _fmt(t["acc"]), _fmt(result["tasks"][name]["sparse"]["acc"]),
                       _delta(t["acc"], result["tasks"][name]["sparse"]["acc"]))
-    console.print(table)
-    sw = result.get("sweep")
-    if sw:
-        t2 = Table(title=f"trade-off: rebuilt at several {sw['knob']} values (dense ppl "
-                         f"{_fmt(d.get('ppl'))})")
-        t2.add_column(sw["knob"], justify="right")
-        t2.add_column("skipped (measured)", justify="right")
+    return table
+
+
+def _sweep_table(result: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    sw, d = result["sweep"], result["dense"]
+    t2 = Table(title=f"trade-off: rebuilt at several {sw['knob']} values (dense ppl "
+                     f"{_fmt(d.get('ppl'))})")
+    t2.add_column(sw["knob"], justify="right")
+    t2.add_column("skipped (measured)", justify="right")
+    if "ppl" in d:
+        t2.add_column("sparse ppl", justify="right")
+        t2.add_column("Δ ppl", justify="right")
+    names = list(result["tasks"])
+    for n in names:
+        t2.add_column(f"{n} acc", justify="right")
+    for p in sw["points"]:
+        row = [f"{p[sw['knob']]:g}", _fmt(p["skipped_fraction"])]
         if "ppl" in d:
-            t2.add_column("sparse ppl", justify="right")
-            t2.add_column("Δ ppl", justify="right")
-        names = list(result["tasks"])
-        for n in names:
-            t2.add_column(f"{n} acc", justify="right")
-        for p in sw["points"]:
-            row = [f"{p[sw['knob']]:g}", _fmt(p["skipped_fraction"])]
-            if "ppl" in d:
-                row += [_fmt(p.get("ppl")), _delta(d["ppl"], p.get("ppl"), pct=True)]
-            row += [_fmt(p["tasks"][n]["acc"]) for n in names]
-            t2.add_row(*row)
-        console.print(t2)
+            row += [_fmt(p.get("ppl")), _delta(d["ppl"], p.get("ppl"), pct=True)]
+        row += [_fmt(p["tasks"][n]["acc"]) for n in names]
+        t2.add_row(*row)
+    return t2

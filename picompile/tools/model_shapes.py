@@ -117,44 +117,60 @@ def shape_from_hf_config(config: dict[str, Any], name: str = "") -> ModelShape:
         mt = {"OPTForCausalLM": "opt", "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
               "FalconForCausalLM": "falcon"}.get(archs[0], "")
     name = name or str(config.get("_name_or_path") or mt)
-
-    def need(*keys: str, default: Any = None) -> Any:
-        for k in keys:
-            if config.get(k) is not None:
-                return config[k]
-        if default is not None:
-            return default
-        raise PicompileError(f"config of {name!r} lacks {' / '.join(keys)}")
-
+    family = {"opt": _opt_shape, "llama": _llama_shape, "mistral": _llama_shape, "qwen2": _llama_shape,
+              "falcon": _falcon_shape, "refinedweb": _falcon_shape}.get(mt)
+    if family is None:
+        raise PicompileError(f"cannot plan model type {mt or '?'!r} of {name!r}; supported: opt, llama, mistral, falcon")
     try:
-        if mt == "opt":
-            d = int(need("hidden_size"))
-            heads = int(need("num_attention_heads"))
-            return ModelShape(name, "opt", int(need("num_hidden_layers")), d, int(need("ffn_dim")), heads, heads,
-                              int(need("vocab_size")), False, str(config.get("activation_function", "relu")),
-                              bias=bool(config.get("enable_bias", True)), tied=bool(config.get("tie_word_embeddings", True)),
-                              max_seq_len=int(need("max_position_embeddings", default=2048)))
-        if mt in ("llama", "mistral", "qwen2"):
-            d = int(need("hidden_size"))
-            heads = int(need("num_attention_heads"))
-            return ModelShape(name, "llama", int(need("num_hidden_layers")), d, int(need("intermediate_size")), heads,
-                              int(need("num_key_value_heads", default=heads)), int(need("vocab_size")), True,
-                              str(config.get("hidden_act", "silu")), head_dim=int(config.get("head_dim") or 0),
-                              bias=bool(config.get("attention_bias", False)),
-                              tied=bool(config.get("tie_word_embeddings", False)),
-                              max_seq_len=int(need("max_position_embeddings", default=2048)))
-        if mt == "falcon" or mt == "refinedweb":
-            d = int(need("hidden_size"))
-            heads = int(need("num_attention_heads", "n_head"))
-            if config.get("new_decoder_architecture"):
-                kv = int(need("num_kv_heads", "n_head_kv", default=heads))
-            else:
-                kv = 1 if config.get("multi_query", True) else heads
-            return ModelShape(name, "falcon", int(need("num_hidden_layers", "n_layer")), d,
-                              int(need("ffn_hidden_size", default=4 * d)), heads, kv, int(need("vocab_size")), False,
-                              str(config.get("activation", "gelu")), bias=bool(config.get("bias", False)),
-                              tied=bool(config.get("tie_word_embeddings", True)),
-                              max_seq_len=int(need("max_position_embeddings", default=2048)))
+        return family(config, name, _Fields(config, name))
     except (TypeError, ValueError) as e:
         raise PicompileError(f"config of {name!r} has a malformed field: {e}") from None
-    raise PicompileError(f"cannot plan model type {mt or '?'!r} of {name!r}; supported: opt, llama, mistral, falcon")
+
+
+class _Fields:
+    """``need(*keys, default=…)``: the first of ``keys`` a config sets, else the default, else a PicompileError."""
+
+    def __init__(self, config: dict[str, Any], name: str) -> None:
+        self.config, self.name = config, name
+
+    def __call__(self, *keys: str, default: Any = None) -> Any:
+        for k in keys:
+            if self.config.get(k) is not None:
+                return self.config[k]
+        if default is not None:
+            return default
+        raise PicompileError(f"config of {self.name!r} lacks {' / '.join(keys)}")
+
+
+def _opt_shape(config: dict[str, Any], name: str, need: _Fields) -> ModelShape:
+    d = int(need("hidden_size"))
+    heads = int(need("num_attention_heads"))
+    return ModelShape(name, "opt", int(need("num_hidden_layers")), d, int(need("ffn_dim")), heads, heads,
+                      int(need("vocab_size")), False, str(config.get("activation_function", "relu")),
+                      bias=bool(config.get("enable_bias", True)), tied=bool(config.get("tie_word_embeddings", True)),
+                      max_seq_len=int(need("max_position_embeddings", default=2048)))
+
+
+def _llama_shape(config: dict[str, Any], name: str, need: _Fields) -> ModelShape:
+    d = int(need("hidden_size"))
+    heads = int(need("num_attention_heads"))
+    return ModelShape(name, "llama", int(need("num_hidden_layers")), d, int(need("intermediate_size")), heads,
+                      int(need("num_key_value_heads", default=heads)), int(need("vocab_size")), True,
+                      str(config.get("hidden_act", "silu")), head_dim=int(config.get("head_dim") or 0),
+                      bias=bool(config.get("attention_bias", False)),
+                      tied=bool(config.get("tie_word_embeddings", False)),
+                      max_seq_len=int(need("max_position_embeddings", default=2048)))
+
+
+def _falcon_shape(config: dict[str, Any], name: str, need: _Fields) -> ModelShape:
+    d = int(need("hidden_size"))
+    heads = int(need("num_attention_heads", "n_head"))
+    if config.get("new_decoder_architecture"):
+        kv = int(need("num_kv_heads", "n_head_kv", default=heads))
+    else:
+        kv = 1 if config.get("multi_query", True) else heads
+    return ModelShape(name, "falcon", int(need("num_hidden_layers", "n_layer")), d,
+                      int(need("ffn_hidden_size", default=4 * d)), heads, kv, int(need("vocab_size")), False,
+                      str(config.get("activation", "gelu")), bias=bool(config.get("bias", False)),
+                      tied=bool(config.get("tie_word_embeddings", True)),
+                      max_seq_len=int(need("max_position_embeddings", default=2048)))
