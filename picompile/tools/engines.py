@@ -216,7 +216,7 @@ def llama_cpp_engine(gguf: Path | str | None, n_ctx: int, threads: int, *, sourc
 
 
 class WorkerEngine:
-    """An engine in a ``picompile/engine_worker.py`` child process, run with the user's own OpenMP settings
+    """An engine in a ``picompile/tools/engine_worker.py`` child process, run with the user's own OpenMP settings
     (this process runs with ``OMP_WAIT_POLICY=PASSIVE``, under which PyTorch's and llama.cpp's OpenMP
     barriers sleep: see that module). A request costs a pipe round trip (~0.1 ms) against 50-300 ms per
     token; the child's memory is its own (PyTorch: a second copy of the fp32 weights, as before)."""
