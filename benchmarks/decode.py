@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from picompile.formats.artifact import is_artifact, read_manifest
-from picompile.tools.bench import print_report, run_bench
+from picompile.tools.bench import run_bench
+from picompile.tools.bench_report import print_report
 from picompile.config import default_cache_dir
 from picompile.runtime.loader import stale_kernels
 from picompile.tools.synthetic import make_synthetic, synthetic_params_of

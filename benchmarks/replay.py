@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 import picompile
-from picompile.tools.bench import copy_bandwidth
+from picompile.tools.traffic import copy_bandwidth
 from picompile.errors import PicompileError
 from picompile.kernels.loader import CALL_ARGS
 from picompile.ir.ops import KERNEL_TABLE

@@ -112,7 +112,7 @@ def bench_ffn(args: argparse.Namespace) -> None:
 
 
 def bench_gemv(args: argparse.Namespace) -> None:
-    from picompile.tools.bench import copy_bandwidth
+    from picompile.tools.traffic import copy_bandwidth
 
     d, rows = args.d_model, args.rows
     spec = KernelSpec(kind="up", act="none", d_model=d, n_rows=rows, weight_dtype=args.dtype, has_bias=False,

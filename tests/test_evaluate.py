@@ -12,9 +12,10 @@ from transformers import AutoModelForCausalLM
 import picompile
 from picompile.cli import main
 from picompile.errors import PicompileError
-from picompile.tools.evaluate import (
-    evaluate, prepare_for, read_task, rebuild_options, run_one, sweep, sweep_plan, windows,
-)
+from picompile.tools.eval_inputs import prepare_for, read_task, windows
+from picompile.tools.eval_scoring import run_one
+from picompile.tools.eval_sweep import rebuild_options, sweep, sweep_plan
+from picompile.tools.evaluate import evaluate
 from picompile.formats.artifact import read_manifest
 
 KEY = ("llama", "relu")
@@ -267,7 +268,7 @@ def test_vs_ort_reference(oracle_art: Path, token_files: dict, tmp_path: Path, m
 def test_ppl_tokens_encodes_only_a_prefix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """--ppl-tokens N on a big text file: the llama2.c tokenizer is run line by line until N tokens are there
     (same ids as encoding the whole file), and documents after the first N tokens are never encoded."""
-    from picompile.tools.evaluate import read_eval_tokens
+    from picompile.tools.eval_inputs import read_eval_tokens
     from picompile.formats.tokenizers import Llama2cTokenizer
 
     pieces = [b"<unk>", b"\n<s>\n", b"\n</s>\n"] + [f"<0x{b:02X}>".encode() for b in range(256)]

@@ -136,7 +136,7 @@ def test_llama_cpp_logits_match_transformers(tiny: Path, tiny_gguf: dict[str, Pa
 
 def test_bench_auto_gguf(tiny: Path, tmp_path: Path) -> None:
     """--gguf auto converts once into the cache and reuses the file; the llama.cpp engine runs on it."""
-    from picompile.tools.bench import auto_gguf, llama_cpp_engine
+    from picompile.tools.engines import auto_gguf, llama_cpp_engine
 
     out = auto_gguf(str(tiny), "f16", tmp_path)
     assert out == tmp_path / "gguf" / "tiny-llama-relu-f16.gguf" and out.is_file()

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from picompile.cli import main
-from picompile.tools.costmodel import BUILTIN_MODELS, synthetic_frequencies
+from picompile.tools.model_shapes import BUILTIN_MODELS
+from picompile.tools.plan_inputs import synthetic_frequencies
 from picompile.errors import PicompileError
 from picompile.tools.plan import plan
 from picompile.sparsity.profile_stats import locality
@@ -174,7 +175,7 @@ def test_more_sparsity_helps_the_hybrid_and_not_dense_offload() -> None:
 
 
 def test_gpu_sparse_and_balance_only_ever_help_the_hybrid(capsys: pytest.CaptureFixture[str]) -> None:
-    from picompile.tools.costmodel import Assumptions
+    from picompile.tools.plan_inputs import Assumptions
 
     base = plan("falcon-40b", dtype="int4")  # nearly fits: the GPU half of each layer is the longer one
     sparse = plan("falcon-40b", dtype="int4", assumptions=Assumptions(gpu_sparse=True))

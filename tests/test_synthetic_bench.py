@@ -8,16 +8,13 @@ import pytest
 import torch
 
 import picompile
-from picompile.tools.bench import REQUIRED_KEYS, llama_cpp_engine, measured_active, weight_bytes
+from picompile.tools.bench import REQUIRED_KEYS
+from picompile.tools.engines import llama_cpp_engine
+from picompile.tools.traffic import measured_active, weight_bytes
 from picompile.cli import main
 from picompile.sparsity.profile_stats import locality
-from picompile.tools.synthetic import (
-    CARD_FILE,
-    make_synthetic,
-    measure_sparsity,
-    power_law_frequencies,
-    synthetic_params_of,
-)
+from picompile.tools.synthetic import CARD_FILE, make_synthetic, measure_sparsity, synthetic_params_of
+from picompile.tools.synthetic_model import power_law_frequencies
 
 TINY = ("tiny-llama-relu", "tiny-opt")
 
@@ -115,7 +112,7 @@ def test_bench_prefill_dtype(tiny_artifact: Path, capsys: pytest.CaptureFixture[
 
 
 def test_bench_bytes_dense_graph_counts_every_row(tiny_artifact: Path) -> None:
-    from picompile.tools.bench import dense_view
+    from picompile.tools.engines import dense_view
 
     session = picompile.load(tiny_artifact, hybrid="off")  # as bench loads it
     dense = weight_bytes(dense_view(session).graph, None)

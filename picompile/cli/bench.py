@@ -7,6 +7,8 @@ import sys
 from typing import Any
 
 from picompile.tools import bench
+from picompile.tools.bench_report import print_report
+from picompile.tools.engines import GGUF_TYPES
 
 
 def add_parser(sub: Any) -> None:
@@ -23,7 +25,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--gguf", metavar="FILE|auto",
                    help="GGUF of the same weights for the llama.cpp column; 'auto' converts the artifact's source "
                         "checkpoint (cached under <cache>/gguf; needs picompile[bench])")
-    p.add_argument("--gguf-type", choices=bench.GGUF_TYPES,
+    p.add_argument("--gguf-type", choices=GGUF_TYPES,
                    help="weight type of --gguf auto's conversion and llama.cpp's KV cache (default: the artifact's, "
                         "f16 for --weight-dtype float16 builds, else f32)")
     p.add_argument("--copy-mib", type=int, default=256, metavar="MIB", help="bandwidth copy buffer (default 256)")
@@ -51,5 +53,5 @@ def cmd(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(json.dumps(result) + "\n")
     else:
-        bench.print_report(result)
+        print_report(result)
     return 0

@@ -8,7 +8,8 @@ from typing import Any
 
 from picompile.errors import PicompileError
 from picompile.tools import evaluate
-from picompile.tools.evaluate import ACT_SWEEP, RELU_SWEEP, Advance
+from picompile.tools.eval_scoring import Advance
+from picompile.tools.eval_sweep import ACT_SWEEP, RELU_SWEEP
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

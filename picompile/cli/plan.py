@@ -8,8 +8,9 @@ from typing import Any
 from picompile.errors import PicompileError
 from picompile.targets import TARGETS
 from picompile.tools import plan as planner
-from picompile.tools.costmodel import DTYPE_BYTES, Assumptions
-from picompile.tools.costmodel import BUILTIN_MODELS
+from picompile.tools.costmodel import DTYPE_BYTES
+from picompile.tools.model_shapes import BUILTIN_MODELS
+from picompile.tools.plan_inputs import Assumptions
 
 
 def add_parser(sub: Any) -> None:

@@ -1,6 +1,6 @@
-"""Export an artifact's transformed graph for viewing: ONNX (for Netron) and Graphviz DOT.
+"""An artifact's transformed graph, given as an fx graph, for viewing: ONNX (for Netron) and Graphviz DOT.
 
-``export_graph_onnx`` writes the decoder-step graph the artifact runs as an ONNX model: the aten
+:func:`graph_to_onnx` writes the decoder-step graph the artifact runs as an ONNX model: the aten
 parts become standard ONNX ops (torch.onnx's dynamo exporter) and every picompile op becomes one
 node in the custom domain ``picompile`` (version 1), its arguments as attributes:
 
@@ -30,6 +30,8 @@ instead (seq ``SEQ`` = 1 after past ``PAST`` = 4), which the model's ``picompile
 says. Weights are initializers named by the artifact's weight keys (``manifest.graph["weights"]``,
 e.g. ``ffn0_hot_up``); over 2 GB they go to an external data file ``OUT.data`` beside the model. The
 graph is cleaned up (shape arithmetic folded) but weights are never folded or merged (see :func:`tidy`).
+:func:`graph_dot` draws the same graph as Graphviz DOT. Reading an artifact and loading its graph is the
+caller's (``picompile inspect``: :mod:`picompile.tools.graph_export`).
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ import torch
 from torch import fx
 
 from picompile.errors import PicompileError
+from picompile.ir import schema
 
 DOMAIN: str = "picompile"
 DOMAIN_VERSION: int = 1
@@ -270,19 +273,23 @@ def tidy(model: Any) -> None:
         pass
 
 
-def export_graph_onnx(root: Path, out: Path, verify: bool = True, external_data: Optional[bool] = None) -> None:
-    """Write the artifact's transformed decoder-step graph to ``out`` as ONNX (see the module doc).
-
-    ``external_data``: weights in ``OUT.data`` beside the model (None: only when over 2 GB).
-    """
+def graph_to_onnx(gm: fx.GraphModule, manifest: Any, out: Path, *, artifact: Path,
+                  external_data: Optional[bool] = None) -> None:
+    """Write ``gm``, the transformed decoder-step graph of the artifact at ``artifact`` (its ``manifest``), to
+    ``out`` as ONNX (see the module doc). ``external_data``: weights in ``OUT.data`` beside the model (None:
+    only when over 2 GB)."""
     require_onnxscript()
-    from picompile import __version__
-    from picompile.formats.artifact import read_manifest
-    from picompile.runtime.loader import load_graph
+    program, shapes = _export_step(gm, manifest, artifact)
+    model = program.model  # onnx_ir Model
+    name_weights(model, list(manifest.graph["weights"]))
+    tidy(model)
+    _describe(model, manifest, Path(artifact), shapes)
+    save_onnx_program(program, Path(out), external_data)
 
-    root, out = Path(root), Path(out)
-    manifest = read_manifest(root, verify=verify)
-    gm = load_graph(root, manifest)
+
+def _export_step(gm: fx.GraphModule, manifest: Any, artifact: Path) -> tuple[Any, str]:
+    """torch.onnx's program of one decoder step, with symbolic (seq, past) where it exports, else fixed;
+    and which shapes it has."""
     n_past = int(manifest.graph["n_past"])
     inputs, outputs = io_names(n_past)
     table = translation_table()
@@ -302,10 +309,14 @@ def export_graph_onnx(root: Path, out: Path, verify: bool = True, external_data:
                                             output_names=outputs, custom_translation_table=table, optimize=False,
                                             verbose=False)
     except Exception as e:
-        raise PicompileError(f"ONNX export of {root} failed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
-    model = program.model  # onnx_ir Model
-    name_weights(model, list(manifest.graph["weights"]))
-    tidy(model)
+        raise PicompileError(f"ONNX export of {artifact} failed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+    return program, shapes
+
+
+def _describe(model: Any, manifest: Any, root: Path, shapes: str) -> None:
+    """The model's producer, doc string and ``picompile.*`` metadata."""
+    from picompile import __version__
+
     model.producer_name = "picompile"
     model.producer_version = __version__
     model.doc_string = (f"picompile artifact {root.name}: {manifest.model['architecture']}, target "
@@ -316,7 +327,6 @@ def export_graph_onnx(root: Path, out: Path, verify: bool = True, external_data:
         "picompile.target": str(manifest.target["name"]), "picompile.pipeline": ",".join(manifest.pipeline),
         "picompile.shapes": shapes,
     })
-    save_onnx_program(program, out, external_data)
 
 
 # -- Graphviz -------------------------------------------------------------------------------------
@@ -325,25 +335,6 @@ _COLOURS: dict[str, str] = {
     "predict": "#ffd966", "oracle_mask": "#ffd966", "merge": "#b4a7d6", "ffn": "#cfe2f3",
     "gpu": "#93c47d", "cpu": "#6fa8dc",
 }
-
-
-def _picompile_name(node: fx.Node) -> Optional[str]:
-    from picompile.ir.ops import is_picompile_op
-
-    if node.op == "call_function" and is_picompile_op(node.target):
-        return node.target.name().partition("::")[2].split(".")[0]  # type: ignore[union-attr]
-    return None
-
-
-def _arg(node: fx.Node, name: str) -> Any:
-    """A picompile node's argument by name (positional or keyword)."""
-    schema = node.target._schema  # type: ignore[union-attr]
-    for i, a in enumerate(schema.arguments):
-        if a.name == name:
-            if name in node.kwargs:
-                return node.kwargs[name]
-            return node.args[i] if i < len(node.args) else a.default_value
-    return None
 
 
 def _shape(node: Any) -> Optional[tuple[int, ...]]:
@@ -367,26 +358,27 @@ def _rows_of(gm: fx.GraphModule, node: Any) -> Optional[int]:
 
 def _picompile_label(gm: fx.GraphModule, node: fx.Node, name: str) -> tuple[str, str]:
     """(label, fill colour) of a picompile node."""
-    layer = _arg(node, "layer")
+    args = schema.args_of(node)
+    layer = args.get("layer")  # None for the ops without one (linear)
     lines = [f"{_op_type(name)}  {node.name}", f"layer {layer}"]
     colour = _COLOURS.get(name, "#e6b8af")
     if name in ("sparse_ffn", "tvm_sparse_ffn"):
-        part, device = _arg(node, "part"), _arg(node, "device")
+        part, device = args["part"], args["device"]
         lines[1] += f"  {part} on {device}"
-        rows = _rows_of(gm, _arg(node, "w_up"))
-        lines.append(f"{rows} neurons, act {_arg(node, 'act')}" + ("" if _arg(node, "mask") is not None else ", dense"))
+        rows = _rows_of(gm, args["w_up"])
+        lines.append(f"{rows} neurons, act {args['act']}" + ("" if args["mask"] is not None else ", dense"))
         if name == "tvm_sparse_ffn":
-            lines.append(f"kernel {_arg(node, 'kernel') or '-'}")
-            if _arg(node, "gpu_kernel"):
-                lines.append(f"gpu kernel {_arg(node, 'gpu_kernel')}")
+            lines.append(f"kernel {args['kernel'] or '-'}")
+            if args["gpu_kernel"]:
+                lines.append(f"gpu kernel {args['gpu_kernel']}")
         colour = _COLOURS.get(device, colour)
     elif name == "predict":
-        lines.append(f"rank {_rows_of(gm, _arg(node, 'fc1'))} → {_rows_of(gm, _arg(node, 'fc2'))} neurons, "
-                     f"threshold {float(_arg(node, 'threshold')):.3g}")
+        lines.append(f"rank {_rows_of(gm, args['fc1'])} → {_rows_of(gm, args['fc2'])} neurons, "
+                     f"threshold {float(args['threshold']):.3g}")
     elif name == "oracle_mask":
-        lines.append(f"{_rows_of(gm, _arg(node, 'w'))} neurons, |{_arg(node, 'act')}| > {float(_arg(node, 'threshold')):.3g}")
+        lines.append(f"{_rows_of(gm, args['w'])} neurons, |{args['act']}| > {float(args['threshold']):.3g}")
     elif name == "ffn":
-        lines.append(f"{_rows_of(gm, _arg(node, 'w_up'))} neurons, act {_arg(node, 'act')}")
+        lines.append(f"{_rows_of(gm, args['w_up'])} neurons, act {args['act']}")
     return "\\n".join(lines), colour
 
 
@@ -411,12 +403,21 @@ def graph_dot(gm: fx.GraphModule, title: str = "picompile", collapse: bool = Tru
     lines = [f"digraph {_q(title)} {{", "  rankdir=TB;", f"  label={_q(title)}; labelloc=t;",
              '  node [shape=box, style="rounded,filled", fillcolor="#f3f3f3", fontname="Helvetica", fontsize=10];',
              '  edge [color="#666666"];']
-    group: dict[fx.Node, str] = {}  # fx node -> DOT id it is drawn as
+    group, members = _dot_nodes(gm, collapse, lines)
+    lines += _dot_segments(members)
+    lines += _dot_edges(gm, group)
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def _dot_nodes(gm: fx.GraphModule, collapse: bool, lines: list[str]) -> tuple[dict[fx.Node, str], dict[str, list[fx.Node]]]:
+    """Append the drawn nodes to ``lines``; return (fx node -> the DOT id it is drawn as, segment id -> its nodes)."""
+    group: dict[fx.Node, str] = {}
     members: dict[str, list[fx.Node]] = {}
     seg = 0
     prev_was_pi = True
     for node in gm.graph.nodes:
-        name = _picompile_name(node)
+        name = schema.node_op(node)
         if name is not None:
             label, colour = _picompile_label(gm, node, name)
             lines.append(f"  {_q(node.name)} [label={_q(label)}, fillcolor={_q(colour)}, penwidth=2];")
@@ -441,6 +442,12 @@ def graph_dot(gm: fx.GraphModule, title: str = "picompile", collapse: bool = Tru
             gid = f"seg{seg}"
             group[node] = gid
             members.setdefault(gid, []).append(node)
+    return group, members
+
+
+def _dot_segments(members: dict[str, list[fx.Node]]) -> list[str]:
+    """One box per collapsed run of nodes, counting its most frequent ops."""
+    lines = []
     for gid, nodes in members.items():
         counts = Counter(_op_label(n) for n in nodes if n.op == "call_function")
         top = ", ".join(f"{k} {v}" for k, v in counts.most_common(4))
@@ -449,6 +456,12 @@ def graph_dot(gm: fx.GraphModule, title: str = "picompile", collapse: bool = Tru
         else:
             label = f"{len(nodes)} ops\\n{top}" if top else f"{len(nodes)} nodes"
         lines.append(f"  {_q(gid)} [label={_q(label)}, shape=box, style=filled, fillcolor=\"#eeeeee\", fontsize=8];")
+    return lines
+
+
+def _dot_edges(gm: fx.GraphModule, group: dict[fx.Node, str]) -> list[str]:
+    """Each edge between two drawn boxes, once."""
+    lines = []
     edges: set[tuple[str, str]] = set()
     for node in gm.graph.nodes:
         dst = group.get(node)
@@ -459,18 +472,4 @@ def graph_dot(gm: fx.GraphModule, title: str = "picompile", collapse: bool = Tru
             if src is not None and src != dst and (src, dst) not in edges:
                 edges.add((src, dst))
                 lines.append(f"  {_q(src)} -> {_q(dst)};")
-    lines.append("}")
-    return "\n".join(lines) + "\n"
-
-
-def export_graph_dot(root: Path, out: Path, collapse: bool = True, verify: bool = True) -> None:
-    """Write the artifact's transformed graph as Graphviz DOT (``dot -Tsvg FILE``); see :func:`graph_dot`."""
-    from picompile.formats.artifact import read_manifest
-    from picompile.runtime.loader import load_graph
-
-    root, out = Path(root), Path(out)
-    manifest = read_manifest(root, verify=verify)
-    gm = load_graph(root, manifest)
-    title = f"{root.name}: {manifest.model['architecture']} for {manifest.target['name']}"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(graph_dot(gm, title, collapse=collapse))
+    return lines

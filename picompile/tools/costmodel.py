@@ -30,7 +30,9 @@ activity is ``1 - sparsity`` and a fraction ``locality`` of the neurons carries 
 activations. Defaults (:func:`default_activity`): ReLU models 90 % inactive per token; locality 0.26
 (OPT-30B in the PowerInfer paper) for plain FFNs, 0.43 (LLaMA-ReGLU-70B) for gated ones; non-ReLU
 models 50 % (the build's ``--act-sparsity`` default) and locality 0.5 (assumed). The predictor marks
-``f_i·(recall + overhead)`` of each neuron's tokens active (:class:`Assumptions`).
+``f_i·(recall + overhead)`` of each neuron's tokens active (:class:`Assumptions`). The profiles,
+predictor sizes and assumptions are :mod:`picompile.tools.plan_inputs`; the shapes
+:mod:`picompile.tools.model_shapes`.
 
 Not modelled: compute limits (all kernels are taken to run at the preset bandwidth), prefill, batch > 1,
 caches, dequantisation cost of int4, the accuracy side of the predictor (recall < 1 only loses
@@ -39,10 +41,8 @@ quality here, never time), multi-GPU and the host memory capacity.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -50,6 +50,7 @@ import numpy as np
 from picompile.errors import BudgetError, PicompileError
 from picompile.sparsity.placement import Placement, PlacementProblem, ffn_budget, greedy_placement, solve_placement
 from picompile.targets import Target
+from picompile.tools.plan_inputs import Assumptions, ModelInputs
 
 GB: float = 1e9
 GiB: int = 1 << 30
@@ -61,380 +62,6 @@ DTYPE_BYTES: dict[str, float] = {"float16": 2.0, "float32": 4.0, "int4": 18.0 / 
 #: of 15 rounds over 256 MiB buffers, several runs). Used by ``--cpu-bandwidth host``; the presets keep
 #: their desktop figures (rtx4090 = an i9-13900K with dual-channel DDR5). See benchmarks/README.md.
 MEASURED_HOST_CPU_GBS: float = 11.0
-
-
-# --------------------------------------------------------------------------------------------------
-# model shapes
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the cost model needs of a decoder-only LM: its shapes, no weights."""
-
-    name: str
-    family: str  # "opt" | "llama" | "falcon"
-    n_layers: int
-    d_model: int
-    d_ffn: int  # FFN neurons per layer
-    n_heads: int
-    n_kv_heads: int
-    vocab_size: int
-    gated: bool  # gate/up/down (LLaMA) vs up/down (OPT, Falcon)
-    act: str = "relu"
-    head_dim: int = 0  # 0 = d_model // n_heads
-    bias: bool = False  # linear layers carry biases (OPT)
-    max_seq_len: int = 2048
-    tied: bool = False  # the lm_head is the embedding matrix (stored once)
-    description: str = ""
-
-    def __post_init__(self) -> None:
-        for f in ("n_layers", "d_model", "d_ffn", "n_heads", "n_kv_heads", "vocab_size"):
-            if int(getattr(self, f)) <= 0:
-                raise PicompileError(f"model {self.name!r}: {f} must be > 0, got {getattr(self, f)}")
-        if self.head_dim <= 0:
-            object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
-
-    @property
-    def attention_params(self) -> int:
-        """Weights of one attention block: q, k, v, o (+ biases)."""
-        q = self.n_heads * self.head_dim
-        kv = self.n_kv_heads * self.head_dim
-        w = self.d_model * (q + 2 * kv) + q * self.d_model
-        return w + ((q + 2 * kv + self.d_model) if self.bias else 0)
-
-    @property
-    def ffn_matrices(self) -> int:
-        return 3 if self.gated else 2
-
-    @property
-    def ffn_params(self) -> int:
-        """Weights of one FFN layer (+ biases)."""
-        w = self.ffn_matrices * self.d_model * self.d_ffn
-        return w + ((self.d_ffn + self.d_model) if self.bias else 0)
-
-    @property
-    def norm_params(self) -> int:
-        """Norm weights of one layer (two norms; LayerNorm has a bias too)."""
-        return 2 * self.d_model * (2 if self.family in ("opt", "falcon") else 1)
-
-    @property
-    def lm_head_params(self) -> int:
-        return self.vocab_size * self.d_model
-
-    @property
-    def n_params(self) -> int:
-        """All parameters (a tied embedding / lm_head counted once)."""
-        per_layer = self.attention_params + self.ffn_params + self.norm_params
-        return self.n_layers * per_layer + (1 if self.tied else 2) * self.lm_head_params + self.d_model
-
-    def to_json(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "n_params": self.n_params}
-
-
-#: Built-in shapes (the real checkpoints' configs; PowerInfer runs the ReLU variants of the
-#: LLaMA and Falcon models: ReLU-Falcon-40B, LLaMA-ReGLU-70B, ReLU-LLaMA-7B).
-BUILTIN_MODELS: dict[str, ModelShape] = {
-    m.name: m
-    for m in [
-        ModelShape("opt-30b", "opt", 48, 7168, 28672, 56, 56, 50272, False, "relu", bias=True, tied=True,
-                   description="facebook/opt-30b"),
-        ModelShape("opt-66b", "opt", 64, 9216, 36864, 72, 72, 50272, False, "relu", bias=True, tied=True,
-                   description="facebook/opt-66b"),
-        ModelShape("falcon-40b", "falcon", 60, 8192, 32768, 128, 8, 65024, False, "relu", tied=True,
-                   description="ReLU-Falcon-40B (tiiuae/falcon-40b shape, GQA 8 KV heads)"),
-        ModelShape("llama2-70b", "llama", 80, 8192, 28672, 64, 8, 32000, True, "relu", max_seq_len=4096,
-                   description="LLaMA-ReGLU-70B (meta-llama/Llama-2-70b shape, GQA 8 KV heads)"),
-        ModelShape("llama2-7b", "llama", 32, 4096, 11008, 32, 32, 32000, True, "relu", max_seq_len=4096,
-                   description="ReLU-LLaMA-7B (meta-llama/Llama-2-7b shape)"),
-        ModelShape("opt-1.3b", "opt", 24, 2048, 8192, 32, 32, 50272, False, "relu", bias=True, tied=True,
-                   description="facebook/opt-1.3b (local benchmark shape)"),
-        ModelShape("llama-1.1b", "llama", 22, 2048, 5632, 32, 4, 32000, True, "relu",
-                   description="TinyLlama-1.1B shape with ReLU (local benchmark shape)"),
-    ]
-}
-
-
-def builtin_model(name: str) -> ModelShape:
-    try:
-        return BUILTIN_MODELS[name.lower()]
-    except KeyError:
-        raise PicompileError(
-            f"unknown model {name!r}: not a file or directory, nor a built-in name; built-in models: "
-            f"{', '.join(BUILTIN_MODELS)}"
-        ) from None
-
-
-def shape_from_hf_config(config: dict[str, Any], name: str = "") -> ModelShape:
-    """A :class:`ModelShape` from a Hugging Face ``config.json`` dict (OPT, LLaMA/Mistral, Falcon)."""
-    mt = str(config.get("model_type", "")).lower()
-    archs = [str(a) for a in config.get("architectures") or []]
-    if not mt and archs:
-        mt = {"OPTForCausalLM": "opt", "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-              "FalconForCausalLM": "falcon"}.get(archs[0], "")
-    name = name or str(config.get("_name_or_path") or mt)
-
-    def need(*keys: str, default: Any = None) -> Any:
-        for k in keys:
-            if config.get(k) is not None:
-                return config[k]
-        if default is not None:
-            return default
-        raise PicompileError(f"config of {name!r} lacks {' / '.join(keys)}")
-
-    try:
-        if mt == "opt":
-            d = int(need("hidden_size"))
-            heads = int(need("num_attention_heads"))
-            return ModelShape(name, "opt", int(need("num_hidden_layers")), d, int(need("ffn_dim")), heads, heads,
-                              int(need("vocab_size")), False, str(config.get("activation_function", "relu")),
-                              bias=bool(config.get("enable_bias", True)), tied=bool(config.get("tie_word_embeddings", True)),
-                              max_seq_len=int(need("max_position_embeddings", default=2048)))
-        if mt in ("llama", "mistral", "qwen2"):
-            d = int(need("hidden_size"))
-            heads = int(need("num_attention_heads"))
-            return ModelShape(name, "llama", int(need("num_hidden_layers")), d, int(need("intermediate_size")), heads,
-                              int(need("num_key_value_heads", default=heads)), int(need("vocab_size")), True,
-                              str(config.get("hidden_act", "silu")), head_dim=int(config.get("head_dim") or 0),
-                              bias=bool(config.get("attention_bias", False)),
-                              tied=bool(config.get("tie_word_embeddings", False)),
-                              max_seq_len=int(need("max_position_embeddings", default=2048)))
-        if mt == "falcon" or mt == "refinedweb":
-            d = int(need("hidden_size"))
-            heads = int(need("num_attention_heads", "n_head"))
-            if config.get("new_decoder_architecture"):
-                kv = int(need("num_kv_heads", "n_head_kv", default=heads))
-            else:
-                kv = 1 if config.get("multi_query", True) else heads
-            return ModelShape(name, "falcon", int(need("num_hidden_layers", "n_layer")), d,
-                              int(need("ffn_hidden_size", default=4 * d)), heads, kv, int(need("vocab_size")), False,
-                              str(config.get("activation", "gelu")), bias=bool(config.get("bias", False)),
-                              tied=bool(config.get("tie_word_embeddings", True)),
-                              max_seq_len=int(need("max_position_embeddings", default=2048)))
-    except (TypeError, ValueError) as e:
-        raise PicompileError(f"config of {name!r} has a malformed field: {e}") from None
-    raise PicompileError(f"cannot plan model type {mt or '?'!r} of {name!r}; supported: opt, llama, mistral, falcon")
-
-
-# --------------------------------------------------------------------------------------------------
-# activation profile
-
-
-@dataclass(frozen=True)
-class Activity:
-    """Per-token activity of FFN neurons: what the synthetic profile is solved for."""
-
-    sparsity: float  # mean fraction of neurons inactive per token
-    locality: float  # fraction of neurons that carries 80 % of all activations
-    source: str = "default"
-
-
-def default_activity(shape: ModelShape) -> Activity:
-    """Documented defaults: see the module docstring."""
-    if shape.act == "relu":
-        return Activity(0.90, 0.43 if shape.gated else 0.26, "default for ReLU models")
-    return Activity(0.50, 0.50, "default for non-ReLU models (thresholded, CATS-style)")
-
-
-def _power_law(n: int, alpha: float, mean: float) -> np.ndarray:
-    """``min(1, c·(i+1)^-alpha)`` with ``c`` set (bisection) so the mean is ``mean``."""
-    w = np.arange(1, n + 1, dtype=np.float64) ** -alpha  # [n], descending
-    lo, hi = 0.0, 1.0 / float(w[-1])  # c = hi puts every neuron at 1
-    for _ in range(60):
-        c = 0.5 * (lo + hi)
-        if float(np.minimum(1.0, c * w).mean()) < mean:
-            lo = c
-        else:
-            hi = c
-    return np.minimum(1.0, 0.5 * (lo + hi) * w)
-
-
-def _locality_sorted(f: np.ndarray, share: float = 0.8) -> float:
-    cum = np.cumsum(f)
-    k = int(np.searchsorted(cum, share * cum[-1] * (1 - 1e-12), side="left")) + 1
-    return min(k, f.size) / f.size
-
-
-@functools.lru_cache(maxsize=64)
-def _synthetic(n: int, sparsity: float, locality: float) -> np.ndarray:
-    mean = 1.0 - sparsity
-    lo, hi = 0.0, 8.0  # alpha: locality falls as alpha rises
-    for _ in range(40):
-        mid = 0.5 * (lo + hi)
-        if _locality_sorted(_power_law(n, mid, mean)) > locality:
-            lo = mid
-        else:
-            hi = mid
-    f = _power_law(n, 0.5 * (lo + hi), mean)
-    f.setflags(write=False)
-    return f
-
-
-def synthetic_frequencies(n: int, sparsity: float, locality: float) -> np.ndarray:
-    """Activation frequency per neuron, ``[n]`` descending in [0, 1], for a power-law profile.
-
-    ``f_i = min(1, c·(i+1)^-α)``: mean ``1 - sparsity``, and the top ``locality·n`` neurons carry 80 %
-    of all activations. Feasible for ``0.8·(1 - sparsity) <= locality <= 0.8`` (all activity on the
-    fewest neurons … uniform).
-    """
-    if not 0.0 <= sparsity < 1.0:
-        raise PicompileError(f"sparsity must be in [0, 1), got {sparsity}")
-    lo = 0.8 * (1.0 - sparsity)
-    if not lo <= locality <= 0.8:
-        raise PicompileError(
-            f"locality {locality} is impossible at sparsity {sparsity}: 80 % of the activations need between "
-            f"{lo:.3f} (the {1 - sparsity:.0%} always-active neurons) and 0.8 (uniform) of the neurons"
-        )
-    return _synthetic(int(n), round(float(sparsity), 9), round(float(locality), 9))
-
-
-# --------------------------------------------------------------------------------------------------
-# assumptions and inputs
-
-
-@dataclass(frozen=True)
-class Assumptions:
-    """Constants of the model that no preset gives (all documented in benchmarks/README.md)."""
-
-    predictor_recall: float = 0.99  # fraction of truly active neurons the predictor marks
-    predictor_overhead: float = 0.20  # false positives, as a fraction of the truly active neurons
-    predictor_fraction: float = 0.05  # predictor parameters / FFN parameters, per layer
-    context: int = 512  # tokens in the KV cache (allocated, and read by each decode step)
-    gpu_layer_overhead_s: float = 20e-6  # kernel launches per layer on the GPU
-    cpu_layer_overhead_s: float = 5e-6  # thread barrier per layer on the CPU
-    link_latency_s: float = 10e-6  # one host<->GPU transfer + event wait
-    gpu_sparse: bool = False  # the GPU reads only predicted-active hot neurons (PowerInfer's GPU operator)
-    balance: bool = False  # trim each split layer's hot set to where its GPU half stops being the longer
-    placement_batch: int = 64  # neurons per placement decision (the paper's 64)
-    min_layer_neurons: int = 0  # PowerInfer's per-layer minimum (0 = off)
-    placement: str = "auto"  # "auto" (greedy where it is exact, else ILP) | "ilp" | "greedy"
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.predictor_recall <= 1.0:
-            raise PicompileError(f"predictor recall must be in (0, 1], got {self.predictor_recall}")
-        if self.predictor_overhead < 0 or self.predictor_fraction < 0:
-            raise PicompileError("predictor overhead and fraction must be >= 0")
-        if self.context < 1:
-            raise PicompileError(f"context must be >= 1 token, got {self.context}")
-        if self.placement not in ("auto", "ilp", "greedy"):
-            raise PicompileError(f"placement must be auto, ilp or greedy, got {self.placement!r}")
-
-
-@dataclass
-class LayerActivity:
-    """Per-layer activity inputs: frequency of each neuron, predictor inflation and size."""
-
-    freq: np.ndarray  # [d_ffn] true activation frequency per neuron
-    inflation: float  # predicted-active / truly active
-    predictor_params: int
-
-    @property
-    def predicted(self) -> np.ndarray:
-        """Probability that each neuron is computed (predicted active), ``[d_ffn]``."""
-        return np.minimum(1.0, self.freq * self.inflation)
-
-
-@dataclass
-class ModelInputs:
-    """Everything :func:`plan` needs about one model."""
-
-    shape: ModelShape
-    source: str  # "builtin" | "hf-config" | "artifact"
-    layers: list[LayerActivity]
-    activity: Activity  # what the profile was made from, or measured figures
-    default_dtype: str = "float16"
-    notes: list[str] = field(default_factory=list)
-
-
-def _predictor_rank(shape: ModelShape, fraction: float) -> int:
-    """Rank of a ``fc1 [d→r], fc2 [r→n_ff]`` predictor with ``fraction`` of the FFN's parameters."""
-    return max(0, int(round(fraction * shape.ffn_matrices * shape.d_model * shape.d_ffn / (shape.d_model + shape.d_ffn))))
-
-
-def synthetic_inputs(shape: ModelShape, source: str, assumptions: Assumptions,
-                     sparsity: float | None = None, locality: float | None = None) -> ModelInputs:
-    base = default_activity(shape)
-    sp = base.sparsity if sparsity is None else float(sparsity)
-    loc = base.locality if locality is None else float(locality)
-    notes = []
-    if locality is None and loc < 0.8 * (1.0 - sp) * 1.05:  # the default cannot hold at this sparsity
-        loc = min(0.8, 0.8 * (1.0 - sp) * 1.05)
-        notes.append(f"locality raised to {loc:.3f}: the default is impossible at sparsity {sp}")
-    act = Activity(sp, loc, base.source if sparsity is None and locality is None else "given on the command line")
-    f = synthetic_frequencies(shape.d_ffn, act.sparsity, act.locality)
-    rank = _predictor_rank(shape, assumptions.predictor_fraction)
-    infl = assumptions.predictor_recall + assumptions.predictor_overhead
-    layers = [LayerActivity(f, infl, rank * (shape.d_model + shape.d_ffn)) for _ in range(shape.n_layers)]
-    return ModelInputs(shape, source, layers, act, notes=notes)
-
-
-def load_model_inputs(spec: str, assumptions: Assumptions, sparsity: float | None = None,
-                      locality: float | None = None) -> ModelInputs:
-    """A built-in name, an HF checkpoint dir / config.json, or a picompile artifact directory."""
-    path = Path(spec)
-    if path.is_dir() and (path / "manifest.json").is_file():
-        return _artifact_inputs(path, assumptions, sparsity, locality)
-    if path.is_dir() or (path.is_file() and path.suffix == ".json"):
-        from picompile.frontend.hf import read_config
-
-        if path.is_dir() and not (path / "config.json").is_file():
-            raise PicompileError(f"{path} is neither a picompile artifact nor a checkpoint directory (no config.json)")
-        config = read_config(path)
-        shape = shape_from_hf_config(config, name=str(path))
-        return synthetic_inputs(shape, "hf-config", assumptions, sparsity, locality)
-    if path.exists():
-        raise PicompileError(f"{path}: plan reads a config.json, a checkpoint directory, an artifact or a built-in name")
-    return synthetic_inputs(builtin_model(spec), "builtin", assumptions, sparsity, locality)
-
-
-def _artifact_inputs(root: Path, assumptions: Assumptions, sparsity: float | None,
-                     locality: float | None) -> ModelInputs:
-    from picompile.formats.artifact import read_manifest
-
-    m = read_manifest(root, verify=False)
-    model = m.model
-    shape = shape_from_hf_config(dict(model.get("config") or {}), name=str(root))
-    layers_meta = sorted(m.layers, key=lambda d: int(d.get("index", 0)))
-    if layers_meta:  # the artifact's FFN facts win over the config's
-        d_ffn = int(layers_meta[0].get("n_neurons", shape.d_ffn))
-        shape = dataclasses.replace(shape, d_ffn=d_ffn, gated=layers_meta[0].get("kind", "gated") == "gated",
-                                    act=str(layers_meta[0].get("act", shape.act)), max_seq_len=int(model.get("max_seq_len") or shape.max_seq_len))
-    dtype = str((m.weights or {}).get("dtype", "float32"))
-    notes: list[str] = []
-    prof = (m.sections or {}).get("profile")
-    counts: dict[int, np.ndarray] = {}
-    n_tokens = 0
-    if prof and sparsity is None and locality is None:
-        from safetensors.numpy import load_file
-
-        pf = root / str(prof.get("file", "profile.safetensors"))
-        if pf.is_file():
-            t = load_file(str(pf))
-            n_tokens = int(np.asarray(t.get("n_tokens", [prof.get("n_tokens", 0)])).ravel()[0])
-            counts = {int(k[len("layer"):-len(".counts")]): np.asarray(v, dtype=np.float64)
-                      for k, v in t.items() if k.startswith("layer") and k.endswith(".counts")}
-    default_infl = assumptions.predictor_recall + assumptions.predictor_overhead
-    default_rank = _predictor_rank(shape, assumptions.predictor_fraction)
-    if counts and n_tokens > 0 and len(counts) == shape.n_layers:
-        layers = []
-        for meta in layers_meta:
-            i = int(meta["index"])
-            f = np.sort(counts[i] / n_tokens)[::-1]
-            pa, ta = meta.get("predicted_active"), meta.get("true_active")
-            infl = float(pa) / float(ta) if pa and ta else default_infl
-            rank = int(meta.get("predictor_rank", default_rank))
-            layers.append(LayerActivity(f, infl, rank * (shape.d_model + f.size)))
-        allf = np.concatenate([la.freq for la in layers])
-        act = Activity(float(1.0 - allf.mean()),
-                       float(np.mean([_locality_sorted(la.freq) for la in layers])),
-                       f"artifact profile ({n_tokens} tokens)")
-        notes.append("activation counts and predictor sizes/precision from the artifact")
-        inputs = ModelInputs(shape, "artifact", layers, act, dtype, notes)
-    else:
-        inputs = synthetic_inputs(shape, "artifact", assumptions, sparsity, locality)
-        inputs.default_dtype = dtype
-        inputs.notes.append("no profile in the artifact (or overridden): synthetic power-law profile")
-    return inputs
-
 
 # --------------------------------------------------------------------------------------------------
 # the cost model
@@ -619,37 +246,57 @@ class CostModel:
         return out
 
     def hybrid(self) -> tuple[StrategyCost, dict[str, Any]]:
-        s, a = self.shape, self.a
+        """PowerInfer's split (see the module doc): the cost, and the placement as ``plan`` reports it."""
         desc = "PowerInfer hybrid: dense parts + hot neurons on the GPU, predicted-active cold neurons on the CPU"
         if not self.has_gpu:
             c = self.cpu(True)
             return (dataclasses.replace(c, name="hybrid", description=desc + " (no GPU: all on the CPU, sparse)"),
                     {"gpu": False, "note": "no GPU: every neuron is cold"})
-        vram = int(self.target.vram_bytes)
-        gpu_layers = list(range(s.n_layers))
+        split = self._hybrid_split()
+        placement, hot_mask, n_placed = self._hot_neurons(split)
+        tally = _Tally()
+        for i in range(self.shape.n_layers):
+            if i in hot_mask:
+                self._split_layer(tally, i, hot_mask[i], "kv_cache" in split.placed)
+            else:
+                self._cpu_layer(tally, i, split.gpu_layers)
+        self._head(tally, "lm_head" in split.placed)
+        vram_used = int(sum(b for n, b in split.parts if n in split.placed)
+                        + sum(int(m.sum()) * self.neuron_b[i] for i, m in hot_mask.items()))
+        cost = StrategyCost("hybrid", desc, True, tally.total, tally.gpu_s, tally.cpu_s, tally.sync_s, tally.over_s,
+                            tally.gpu_b, tally.cpu_b, vram_used, self._hybrid_details(split, hot_mask))
+        return cost, self._hybrid_info(split, placement, hot_mask, n_placed)
+
+    def _hybrid_split(self) -> "_Split":
+        """Which layers' dense parts go on the GPU, and the FFN budget left there for hot neurons."""
+        s, vram = self.shape, int(self.target.vram_bytes)
         parts = self.fixed_parts()
-        fallback = None
         try:
             budget, placed = ffn_budget(vram, parts)
+            return _Split(list(range(s.n_layers)), parts, budget, placed, None)
         except BudgetError:
-            # PowerInfer then offloads the dense parts layer by layer (llama.cpp -ngl); the FFNs of those
-            # layers are split hot/cold with what is left, every other layer runs wholly on the CPU.
-            def mandatory(k: int) -> int:
-                return sum(b for n, b in self.fixed_parts(range(k)) if n not in ("lm_head", "kv_cache"))
+            pass
+        # PowerInfer then offloads the dense parts layer by layer (llama.cpp -ngl); the FFNs of those
+        # layers are split hot/cold with what is left, every other layer runs wholly on the CPU.
+        def mandatory(k: int) -> int:
+            return sum(b for n, b in self.fixed_parts(range(k)) if n not in ("lm_head", "kv_cache"))
 
-            k = 0
-            while k < s.n_layers and mandatory(k + 1) <= vram:
-                k += 1
-            gpu_layers = list(range(k))
-            parts = [(n, b) for n, b in self.fixed_parts(gpu_layers) if n != "lm_head"]
-            budget, placed = ffn_budget(vram, parts)
-            dense = sum(b for n, b in self.fixed_parts() if n != "kv_cache")
-            fallback = (f"the dense parts ({dense / GiB:.1f} GiB) exceed the GPU budget: dense parts of {k} of "
-                        f"{s.n_layers} layers on the GPU, the other layers wholly on the CPU")
-        kv_gpu = "kv_cache" in placed
-        head_gpu = "lm_head" in placed
-        placement = self._place(gpu_layers, budget) if gpu_layers else None
-        on_gpu = set(gpu_layers)
+        k = 0
+        while k < s.n_layers and mandatory(k + 1) <= vram:
+            k += 1
+        gpu_layers = list(range(k))
+        parts = [(n, b) for n, b in self.fixed_parts(gpu_layers) if n != "lm_head"]
+        budget, placed = ffn_budget(vram, parts)
+        dense = sum(b for n, b in self.fixed_parts() if n != "kv_cache")
+        fallback = (f"the dense parts ({dense / GiB:.1f} GiB) exceed the GPU budget: dense parts of {k} of "
+                    f"{s.n_layers} layers on the GPU, the other layers wholly on the CPU")
+        return _Split(gpu_layers, parts, budget, placed, fallback)
+
+    def _hot_neurons(self, split: "_Split") -> tuple[Placement | None, dict[int, np.ndarray], int]:
+        """(the placement, per GPU layer its hot-neuron mask ``[d_ffn]`` (balanced with ``balance``), the number
+        of neurons the placement put on the GPU)."""
+        gpu_layers = split.gpu_layers
+        placement = self._place(gpu_layers, split.budget) if gpu_layers else None
         hot_mask: dict[int, np.ndarray] = {}
         if placement is not None:
             for j, i in enumerate(gpu_layers):
@@ -657,87 +304,121 @@ class CostModel:
                 m[placement.hot[j]] = True
                 hot_mask[i] = m
         n_placed = int(sum(m.sum() for m in hot_mask.values()))
-        if a.balance and not a.gpu_sparse:
+        if self.a.balance and not self.a.gpu_sparse:
             for i, m in hot_mask.items():
                 if not m.all():
                     hot_mask[i] = self._balance(i, m, placement.hot[gpu_layers.index(i)])
+        return placement, hot_mask, n_placed
 
-        total = gpu_s = cpu_s = sync_s = over_s = gpu_b = cpu_b = 0.0
-        for i in range(s.n_layers):
-            la, nb = self.inputs.layers[i], self.neuron_b[i]
-            q = la.predicted
-            if i not in on_gpu:  # wholly on the CPU, sparse
-                b = self.attn_b + self.norm_b + self.kv_b + self.pred_b[i] + self.pred_ffn_b[i]
-                t = b / self.bw_cpu
-                if i == len(gpu_layers) and gpu_layers:  # the hidden state leaves the GPU here
-                    x = self._xfer(s.d_model * 4.0)
-                    sync_s += x
-                    total += x
-                cpu_b += b
-                cpu_s += t
-                total += t + a.cpu_layer_overhead_s
-                over_s += a.cpu_layer_overhead_s
-                continue
-            hot = hot_mask[i]
-            n_cold = int((~hot).sum())
-            dense_b = self.attn_b + self.norm_b + (self.pred_b[i] if n_cold else 0.0)
-            kv_t = self.kv_b / (self.bw_gpu if kv_gpu else self.bw_cpu)
-            hot_b = float((q[hot].sum() if a.gpu_sparse else hot.sum())) * nb
-            cold_b = float(q[~hot].sum()) * nb
-            t_dense = dense_b / self.bw_gpu + kv_t
-            t_hot, t_cold = hot_b / self.bw_gpu, cold_b / self.bw_cpu
-            sync = 0.0
-            if n_cold:
-                sync = self._xfer(s.d_model * 4.0 + s.d_ffn / 8.0) + self._xfer(s.d_model * 4.0)
-            if not kv_gpu:
-                sync += 2 * self._xfer(s.n_heads * s.head_dim * 4.0)
-            over = a.gpu_layer_overhead_s + (a.cpu_layer_overhead_s if n_cold else 0.0)
-            total += t_dense + max(t_hot, t_cold + (a.cpu_layer_overhead_s if n_cold else 0.0)) + sync + a.gpu_layer_overhead_s
-            gpu_s += (dense_b / self.bw_gpu + (kv_t if kv_gpu else 0.0)) + t_hot
-            cpu_s += t_cold + (0.0 if kv_gpu else kv_t)
-            gpu_b += dense_b + hot_b + (self.kv_b if kv_gpu else 0.0)
-            cpu_b += cold_b + (0.0 if kv_gpu else self.kv_b)
-            sync_s += sync
-            over_s += over
+    def _cpu_layer(self, tally: "_Tally", i: int, gpu_layers: list[int]) -> None:
+        """Layer ``i`` wholly on the CPU, sparse (the hidden state leaves the GPU at the first of them)."""
+        a = self.a
+        b = self.attn_b + self.norm_b + self.kv_b + self.pred_b[i] + self.pred_ffn_b[i]
+        t = b / self.bw_cpu
+        if i == len(gpu_layers) and gpu_layers:  # the hidden state leaves the GPU here
+            x = self._xfer(self.shape.d_model * 4.0)
+            tally.sync_s += x
+            tally.total += x
+        tally.cpu_b += b
+        tally.cpu_s += t
+        tally.total += t + a.cpu_layer_overhead_s
+        tally.over_s += a.cpu_layer_overhead_s
+
+    def _split_layer(self, tally: "_Tally", i: int, hot: np.ndarray, kv_gpu: bool) -> None:
+        """Layer ``i`` with its dense parts and ``hot`` neurons on the GPU, the other neurons on the CPU: the FFN
+        halves overlap, the dense part before them does not."""
+        s, a = self.shape, self.a
+        q, nb = self.inputs.layers[i].predicted, self.neuron_b[i]
+        n_cold = int((~hot).sum())
+        dense_b = self.attn_b + self.norm_b + (self.pred_b[i] if n_cold else 0.0)
+        kv_t = self.kv_b / (self.bw_gpu if kv_gpu else self.bw_cpu)
+        hot_b = float((q[hot].sum() if a.gpu_sparse else hot.sum())) * nb
+        cold_b = float(q[~hot].sum()) * nb
+        t_dense = dense_b / self.bw_gpu + kv_t
+        t_hot, t_cold = hot_b / self.bw_gpu, cold_b / self.bw_cpu
+        sync = 0.0
+        if n_cold:
+            sync = self._xfer(s.d_model * 4.0 + s.d_ffn / 8.0) + self._xfer(s.d_model * 4.0)
+        if not kv_gpu:
+            sync += 2 * self._xfer(s.n_heads * s.head_dim * 4.0)
+        over = a.gpu_layer_overhead_s + (a.cpu_layer_overhead_s if n_cold else 0.0)
+        tally.total += t_dense + max(t_hot, t_cold + (a.cpu_layer_overhead_s if n_cold else 0.0)) + sync + a.gpu_layer_overhead_s
+        tally.gpu_s += (dense_b / self.bw_gpu + (kv_t if kv_gpu else 0.0)) + t_hot
+        tally.cpu_s += t_cold + (0.0 if kv_gpu else kv_t)
+        tally.gpu_b += dense_b + hot_b + (self.kv_b if kv_gpu else 0.0)
+        tally.cpu_b += cold_b + (0.0 if kv_gpu else self.kv_b)
+        tally.sync_s += sync
+        tally.over_s += over
+
+    def _head(self, tally: "_Tally", head_gpu: bool) -> None:
+        """The lm_head (+ final norm) where it was placed, and the embedding row sent to the GPU."""
         head_t = self.head_b / (self.bw_gpu if head_gpu else self.bw_cpu)
-        total += head_t + self._xfer(s.d_model * 4.0)  # + the embedding row to the GPU
-        sync_s += self._xfer(s.d_model * 4.0)
+        tally.total += head_t + self._xfer(self.shape.d_model * 4.0)  # + the embedding row to the GPU
+        tally.sync_s += self._xfer(self.shape.d_model * 4.0)
         if head_gpu:
-            gpu_s, gpu_b = gpu_s + head_t, gpu_b + self.head_b
+            tally.gpu_s, tally.gpu_b = tally.gpu_s + head_t, tally.gpu_b + self.head_b
         else:
-            cpu_s, cpu_b = cpu_s + head_t, cpu_b + self.head_b
-        fixed_on_gpu = sum(b for n, b in parts if n in placed)
-        vram_used = int(fixed_on_gpu + sum(int(m.sum()) * self.neuron_b[i] for i, m in hot_mask.items()))
+            tally.cpu_s, tally.cpu_b = tally.cpu_s + head_t, tally.cpu_b + self.head_b
+
+    def _hybrid_details(self, split: "_Split", hot_mask: dict[int, np.ndarray]) -> dict[str, Any]:
+        """The hybrid strategy's own columns: GPU layers, hot share, activation coverage, what sits on the GPU."""
         n_hot = int(sum(m.sum() for m in hot_mask.values()))
         n_all = int(sum(la.freq.size for la in self.inputs.layers))
         # activation share served by the GPU, over all layers
         served = sum(float(self.inputs.layers[i].freq[hot_mask[i]].sum()) for i in hot_mask)
         all_f = sum(float(la.freq.sum()) for la in self.inputs.layers)
-        details = {
-            "gpu_layers": len(gpu_layers),
-            "n_layers": s.n_layers,
+        return {
+            "gpu_layers": len(split.gpu_layers),
+            "n_layers": self.shape.n_layers,
             "hot_neuron_fraction": n_hot / n_all,
             "activation_coverage": served / all_f if all_f else 0.0,
-            "kv_cache_on_gpu": kv_gpu,
-            "lm_head_on_gpu": head_gpu,
+            "kv_cache_on_gpu": "kv_cache" in split.placed,
+            "lm_head_on_gpu": "lm_head" in split.placed,
         }
-        cost = StrategyCost("hybrid", desc, True, total, gpu_s, cpu_s, sync_s, over_s, gpu_b, cpu_b, vram_used, details)
+
+    def _hybrid_info(self, split: "_Split", placement: Placement | None, hot_mask: dict[int, np.ndarray],
+                     n_placed: int) -> dict[str, Any]:
+        """The placement as ``plan`` reports it: budget, fixed parts, hot neurons per layer, the solver's figures."""
         info: dict[str, Any] = {
             "gpu": True,
-            "ffn_budget_bytes": int(budget),
-            "fixed_parts": dict(parts),
-            "fixed_parts_on_gpu": placed,
-            "n_hot": [int(hot_mask[i].sum()) if i in hot_mask else 0 for i in range(s.n_layers)],
+            "ffn_budget_bytes": int(split.budget),
+            "fixed_parts": dict(split.parts),
+            "fixed_parts_on_gpu": split.placed,
+            "n_hot": [int(hot_mask[i].sum()) if i in hot_mask else 0 for i in range(self.shape.n_layers)],
             "n_hot_placed": n_placed,
-            "n_hot_used": n_hot,
+            "n_hot_used": int(sum(m.sum() for m in hot_mask.values())),
             "n_neurons": [int(la.freq.size) for la in self.inputs.layers],
         }
         if placement is not None:
             pj = placement.to_json()
             info.update({k: pj[k] for k in ("method", "status", "coverage", "gpu_bytes", "solve_time_s")})
-        if fallback:
-            info["fallback"] = fallback
-        return cost, info
+        if split.fallback:
+            info["fallback"] = split.fallback
+        return info
+
+
+@dataclass
+class _Split:
+    """How the hybrid strategy splits the GPU: layers whose dense parts are there, the FFN budget left."""
+
+    gpu_layers: list[int]
+    parts: list[tuple[str, int]]  # (name, bytes) of the fixed parts considered
+    budget: int  # bytes left for hot neurons
+    placed: list[str]  # the fixed parts that fit on the GPU
+    fallback: str | None  # why only some layers' dense parts are on the GPU
+
+
+@dataclass
+class _Tally:
+    """Running sums of one decode step: seconds on the critical path and per side, bytes per side."""
+
+    total: float = 0.0
+    gpu_s: float = 0.0
+    cpu_s: float = 0.0
+    sync_s: float = 0.0
+    over_s: float = 0.0
+    gpu_b: float = 0.0
+    cpu_b: float = 0.0
 
 
 def measure_cpu_bandwidth(threads: int = 2, mib: int = 1024, repeats: int = 9) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""A bench engine in a process of its own (``picompile.tools.bench.WorkerEngine``): llama.cpp or PyTorch eager.
+"""A bench engine in a process of its own (``picompile.tools.engines.WorkerEngine``): llama.cpp or PyTorch eager.
 
 The bench process runs with ``OMP_WAIT_POLICY=PASSIVE``, which picompile sets for its own runtime (torch
 ops and TVM kernels take turns on the same cores). The peers are measured without it: under PASSIVE the
@@ -9,7 +9,7 @@ script is started by path with the user's environment (``python -P engine_worker
 
 * ``llama.cpp GGUF N_CTX THREADS KV_TYPE`` never imports ``picompile`` (whose import sets the policy);
 * ``pytorch SOURCE THREADS`` imports torch first (its OpenMP reads the environment when torch loads),
-  then picompile's model loader and :func:`picompile.tools.bench.pytorch_engine`.
+  then picompile's model loader and :func:`picompile.tools.engines.pytorch_engine`.
 
 Protocol: one JSON object per line. The worker answers its start with ``{"label", "info"}`` or
 ``{"error"}``; then each request ``{"ids": [...], "reset": bool}`` (reset: a new prompt) with ``{"tok"}``,
@@ -48,7 +48,7 @@ def _pytorch(source: str, threads: str) -> tuple[Step, dict[str, Any]]:
     import torch  # first: its OpenMP runtime takes the policy from this (the user's) environment
 
     torch.set_num_threads(int(threads))
-    from picompile.tools.bench import pytorch_engine
+    from picompile.tools.engines import pytorch_engine
     from picompile.frontend import load_model
 
     model, _info = load_model(source)

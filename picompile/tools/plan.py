@@ -5,23 +5,18 @@
 
 MODEL_OR_CONFIG: a Hugging Face checkpoint directory or its config.json (no weights are read), a
 picompile artifact (its model config, recorded activation counts and predictor sizes), or a built-in
-name (:data:`picompile.tools.costmodel.BUILTIN_MODELS`). The model itself is :mod:`picompile.tools.costmodel`.
+name (:data:`picompile.tools.model_shapes.BUILTIN_MODELS`). The model itself is :mod:`picompile.tools.costmodel`,
+its inputs :mod:`picompile.tools.plan_inputs`.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-from picompile.tools.costmodel import (
-    DTYPE_BYTES,
-    MEASURED_HOST_CPU_GBS,
-    Assumptions,
-    CostModel,
-    load_model_inputs,
-    measure_cpu_bandwidth,
-)
+from picompile.tools.costmodel import DTYPE_BYTES, MEASURED_HOST_CPU_GBS, CostModel, StrategyCost, measure_cpu_bandwidth
+from picompile.tools.plan_inputs import Assumptions, ModelInputs, load_model_inputs
 from picompile.errors import PicompileError
-from picompile.targets import get_target
+from picompile.targets import Target, get_target
 
 STRATEGY_ORDER: tuple[str, ...] = ("hybrid", "layer_offload", "cpu", "layer_offload_sparse", "cpu_sparse")
 
@@ -69,14 +64,7 @@ def plan(
         raise PicompileError(f"--sparsity must be in [0, 1), got {sparsity}")
     if locality is not None and not 0.0 < locality <= 1.0:
         raise PicompileError(f"--locality must be in (0, 1], got {locality}")
-    tgt = get_target(target, vram_budget_gib)
-    bw, bw_source = _cpu_bandwidth(cpu_bandwidth)
-    if bw is not None:
-        tgt = dataclasses.replace(tgt, cpu_bandwidth_gbs=bw)
-    if gpu_bandwidth is not None:
-        if not gpu_bandwidth > 0:
-            raise PicompileError(f"--gpu-bandwidth must be > 0 GB/s, got {gpu_bandwidth}")
-        tgt = dataclasses.replace(tgt, gpu_bandwidth_gbs=float(gpu_bandwidth))
+    tgt, bw_source = _target(target, vram_budget_gib, cpu_bandwidth, gpu_bandwidth)
     inputs = load_model_inputs(model, a, sparsity, locality)
     dt = dtype or inputs.default_dtype
     if dt not in DTYPE_BYTES:
@@ -90,32 +78,51 @@ def plan(
         "layer_offload_sparse": cm.layer_offload(True),
         "cpu_sparse": cm.cpu(True),
     }
-    s = inputs.shape
-    q = [float(la.predicted.mean()) for la in inputs.layers]
     out: dict[str, Any] = {
-        "model": {
-            **s.to_json(),
-            "source": inputs.source,
-            "dtype": dt,
-            "bytes_per_weight": DTYPE_BYTES[dt],
-            "weight_bytes": cm.weight_bytes(),
-        },
+        "model": {**inputs.shape.to_json(), "source": inputs.source, "dtype": dt, "bytes_per_weight": DTYPE_BYTES[dt],
+                  "weight_bytes": cm.weight_bytes()},
         "target": {**tgt.to_json(), "cpu_bandwidth_source": bw_source},
         "assumptions": {**a.__dict__, "kv_cache_dtype": "float32" if dt == "float32" else "float16"},
-        "profile": {
-            "source": inputs.activity.source if inputs.source == "artifact" and "artifact" in inputs.activity.source
-            else f"synthetic power law ({inputs.activity.source})",
-            "sparsity": inputs.activity.sparsity,
-            "locality": inputs.activity.locality,
-            "predicted_active_fraction": sum(q) / len(q),
-            "predictor_params": int(sum(la.predictor_params for la in inputs.layers)),
-            "notes": inputs.notes,
-        },
+        "profile": _profile(inputs),
         "placement": placement,
         "strategies": {k: v.to_json() for k, v in costs.items()},
     }
+    return {**out, **_verdict(costs)}
+
+
+def _target(name: str, vram_budget_gib: float | None, cpu_bandwidth: str | float | None,
+            gpu_bandwidth: float | None) -> tuple[Target, str]:
+    """The target preset with the command line's budget and bandwidths; where its CPU bandwidth comes from."""
+    tgt = get_target(name, vram_budget_gib)
+    bw, bw_source = _cpu_bandwidth(cpu_bandwidth)
+    if bw is not None:
+        tgt = dataclasses.replace(tgt, cpu_bandwidth_gbs=bw)
+    if gpu_bandwidth is not None:
+        if not gpu_bandwidth > 0:
+            raise PicompileError(f"--gpu-bandwidth must be > 0 GB/s, got {gpu_bandwidth}")
+        tgt = dataclasses.replace(tgt, gpu_bandwidth_gbs=float(gpu_bandwidth))
+    return tgt, bw_source
+
+
+def _profile(inputs: ModelInputs) -> dict[str, Any]:
+    """Where the activation profile comes from and what it amounts to."""
+    q = [float(la.predicted.mean()) for la in inputs.layers]
+    return {
+        "source": inputs.activity.source if inputs.source == "artifact" and "artifact" in inputs.activity.source
+        else f"synthetic power law ({inputs.activity.source})",
+        "sparsity": inputs.activity.sparsity,
+        "locality": inputs.activity.locality,
+        "predicted_active_fraction": sum(q) / len(q),
+        "predictor_params": int(sum(la.predictor_params for la in inputs.layers)),
+        "notes": inputs.notes,
+    }
+
+
+def _verdict(costs: dict[str, StrategyCost]) -> dict[str, Any]:
+    """{"speedup": the ratios the report leads with, "best": the fastest main strategy (ties: the first listed)}."""
+    hybrid = costs["hybrid"]
     base, cpu = costs["layer_offload"].tokens_per_s, costs["cpu"].tokens_per_s
-    out["speedup"] = {
+    speedup = {
         "hybrid_vs_layer_offload": hybrid.tokens_per_s / base,
         "hybrid_vs_cpu": hybrid.tokens_per_s / cpu,
         "layer_offload_sparse_vs_layer_offload": costs["layer_offload_sparse"].tokens_per_s / base,
@@ -123,8 +130,7 @@ def plan(
     }
     main = ("hybrid", "layer_offload", "cpu", "cpu_sparse")
     top = max(costs[k].tokens_per_s for k in main)
-    out["best"] = next(k for k in main if costs[k].tokens_per_s >= top * (1 - 1e-9))  # ties: the first listed
-    return out
+    return {"speedup": speedup, "best": next(k for k in main if costs[k].tokens_per_s >= top * (1 - 1e-9))}
 
 
 def print_plan(result: dict[str, Any]) -> None:

@@ -88,7 +88,7 @@ def inspect_artifact(root: Path, as_json: bool = False, graph: bool = False, ver
         plot_profiles(profiles, plot, f"{m.model['architecture']} from {Path(m.model['source']).name}: "
                       f"{m.sections['profile']['n_tokens']} calibration tokens")
     if export_onnx is not None or dot is not None:
-        from picompile.formats.onnx_export import export_graph_dot, export_graph_onnx
+        from picompile.tools.graph_export import export_graph_dot, export_graph_onnx
 
         if export_onnx is not None:
             export_graph_onnx(root, export_onnx, verify=False)

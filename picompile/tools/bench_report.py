@@ -1,0 +1,87 @@
+"""``picompile bench``'s report: the result of :func:`picompile.tools.bench.run_bench` as a rich table
+of the engines and the notes under it (bytes per token, the bandwidth bound, token agreement, load)."""
+from __future__ import annotations
+
+from typing import Any
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.3f} GB" if x >= 1e8 else f"{x / 1e6:.3f} MB"
+
+
+def print_report(result: dict[str, Any], console: Any | None = None) -> None:
+    """The result as a table of engines and a few lines of notes (bytes, bound, agreement, load)."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    console = console or Console(highlight=False)
+    console.print(_engine_table(result))
+    for name, why in result["skipped"].items():
+        console.print(escape(f"{name}: skipped ({why})"))
+    for line in _notes(result):
+        console.print(line)
+
+
+def _engine_table(result: dict[str, Any]) -> Any:
+    from rich.markup import escape
+    from rich.table import Table
+
+    title = escape(f"{result['artifact']}  (threads {result['threads']}, prompt {result['prompt_len']}, "
+             f"decode {result['tokens']} tokens, {result['repeats']} interleaved rounds, medians)")
+    table = Table(title=title, title_justify="left")
+    for col in ("engine", "prefill tok/s", "decode tok/s", "prefill vs PyTorch", "decode vs PyTorch", "best decode tok/s"):
+        table.add_column(col, justify="left" if col == "engine" else "right")
+    for eng in result["engines"].values():
+        table.add_row(escape(eng["label"]), f"{eng['prefill_tokens_per_s']:.2f}", f"{eng['decode_tokens_per_s']:.2f}",
+                      f"{eng['prefill_vs_pytorch']:.2f}x", f"{eng['decode_vs_pytorch']:.2f}x",
+                      f"{eng['best_decode_tokens_per_s']:.2f}")
+    return table
+
+
+def _notes(result: dict[str, Any]) -> list[str]:
+    """The report's lines under the table (rich markup), in order."""
+    from rich.markup import escape
+
+    lines = []
+    lcpp = result["engines"].get("llama.cpp")
+    if lcpp:
+        lines.append(f"[dim]llama.cpp: {escape(lcpp['gguf'])} (weights {lcpp['gguf_file_type']}, KV cache "
+                     f"{lcpp['kv_type']}); its llama architecture computes SiLU in the FFN: a dense-speed baseline "
+                     "on the same weights (same bytes and FLOPs per token), not the same outputs[/dim]")
+    lines += [_bytes_note(result), _bound_note(result)]
+    if result.get("prefill_dtype"):
+        agree = result["low_prefill_logits"]
+        lines.append(f"prefill_dtype={result['prefill_dtype']}: prefill {result['low_prefill_speedup']:.2f}x PyTorch "
+                     f"(default {result['prefill_speedup']:.2f}x); its prompt logits against the default's: relative "
+                     f"error {agree['relative_error']:.1e}, top token equal at {agree['top1_agreement']:.0%} of positions")
+    if result.get("compiled"):
+        native = (f"{result['native_kernel_calls']} kernel calls per decode step as C++ ops" if result["native_kernel_calls"]
+                  else f"kernel calls through Python ({result['native_reason']})")
+        lines.append(f"compiled step: {native}; greedy tokens equal to the eager step's: first "
+                     f"{result['same_tokens_as_eager']} of {result['tokens'] + 1}")
+    lines.append(f"[dim]greedy tokens equal to PyTorch's: first {result['same_tokens_as_pytorch']} of "
+                 f"{result['tokens'] + 1}; load average {result['load_average'][0]:.2f} → {result['load_average'][1]:.2f}"
+                 f"{'; SYNTHETIC model' if result['synthetic'] else ''}[/dim]")
+    if result["kernels"] and (result["omp_wait_policy"] or "").upper() != "PASSIVE":
+        lines.append(f"[dim]note: OMP_WAIT_POLICY={result['omp_wait_policy']}: torch's OpenMP workers spin after "
+                     "each op and take the cores the TVM kernels need (picompile defaults it to PASSIVE)[/dim]")
+    return lines
+
+
+def _bytes_note(result: dict[str, Any]) -> str:
+    act = result["ffn_active_fraction"] if result["ffn_active_fraction"] is not None else result["ffn_active_fraction_manifest"]
+    fired = result.get("ffn_fired_fraction")
+    return (
+        f"bytes/token: {_gb(result['bytes_per_token'])} (FFN {_gb(result['ffn_bytes_per_token'])} of "
+        f"{_gb(result['ffn_bytes_dense'])} dense, masks select {'%.1f%%' % (100 * act) if act is not None else 'all'} "
+        f"of the neurons ({result['active_source']})"
+        + (f", {100 * fired:.1f}% selected and firing (the rest cost only their gate rows)"
+           if fired is not None and act is not None and fired < act else "")
+        + f"; other weights {_gb(result['other_bytes_per_token'])}, "
+        f"KV {_gb(result['kv_bytes_per_token'])}); dense {_gb(result['dense_bytes_per_token'])}")
+
+
+def _bound_note(result: dict[str, Any]) -> str:
+    return (f"copy bandwidth {result['bandwidth_gbs']:.2f} GB/s → bound {result['bound_tokens_per_s']:.2f} tok/s "
+            f"(dense bound {result['dense_bound_tokens_per_s']:.2f}); picompile decode reaches "
+            f"{result['decode_tokens_per_s'] / result['bound_tokens_per_s']:.0%} of its bound")
