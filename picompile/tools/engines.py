@@ -281,5 +281,5 @@ class WorkerEngine:
         def decode(tok: int, state: Any) -> tuple[int, Any]:
             return self.eval([tok], reset=False), None
 
-        process = f"its own (picompile/engine_worker.py), OMP_WAIT_POLICY {self.omp_policy or 'unset'}"
+        process = f"its own (picompile/tools/engine_worker.py), OMP_WAIT_POLICY {self.omp_policy or 'unset'}"
         return Engine(name, label, prefill, decode, info={**(info or {}), "process": process})
