@@ -112,7 +112,6 @@ class CheckShape:
     kernel_d_model: int
     kernel_n_rows: int
     model: str  # synthetic shape of the hybrid artifact
-    model_dims: tuple[int, ...] | None  # (d_model, n_neurons, n_layers, n_heads, n_kv_heads, vocab, max_pos) if new
     prompt_len: int
     decode_tokens: int
     reps: int  # timed calls per kernel and fraction
@@ -130,9 +129,9 @@ class CheckShape:
 
 
 SHAPES: dict[str, CheckShape] = {
-    "plan": CheckShape("plan", 4096, 11008, "gpu-check-small", (512, 1408, 4, 8, 4, 2048, 512),
+    "plan": CheckShape("plan", 4096, 11008, "gpu-check-small",
                        prompt_len=64, decode_tokens=32, reps=10, rounds=3, calibration_tokens=2048, placement_batch=64),
-    "tiny": CheckShape("tiny", 128, 512, "tiny-llama-relu", None,
+    "tiny": CheckShape("tiny", 128, 512, "tiny-llama-relu",
                        prompt_len=8, decode_tokens=4, reps=2, rounds=1, calibration_tokens=256, placement_batch=8,
                        kernels_per_kind=1),
 }
@@ -248,14 +247,10 @@ def prepare_kernels(opt: Options, emit: Callable[[str], None]) -> dict[str, Any]
 
 
 def synthetic_checkpoint(opt: Options, emit: Callable[[str], None]) -> Path:
-    """The hybrid model's seeded synthetic checkpoint (registering the shape where synthetic.py lacks it)."""
+    """The hybrid model's seeded synthetic checkpoint (a shape of ``picompile.tools.synthetic``)."""
     from picompile.tools import synthetic
 
-    shape = opt.shape
-    if shape.model not in synthetic.SHAPES and shape.model_dims is not None:
-        synthetic.SHAPES[shape.model] = synthetic.SyntheticShape(
-            "llama", *shape.model_dims, like="llama-1b-relu's proportions at 1/4 width, 4 layers (gpu_check)")
-    return synthetic.make_synthetic(shape.model, opt.work / "synthetic" / shape.model, emit=emit)
+    return synthetic.make_synthetic(opt.shape.model, opt.work / "synthetic" / opt.shape.model, emit=emit)
 
 
 def budget_bytes(config: dict[str, Any], max_seq_len: int, hot_share: float = 0.1,

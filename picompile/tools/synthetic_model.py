@@ -72,6 +72,10 @@ SHAPES: dict[str, SyntheticShape] = {
     "llama-1b-relu": SyntheticShape("llama", 2048, 5632, 22, 32, 4, 32000, 2048,
                                     "TinyLlama-1.1B shape with ReLU (as ReLU-LLaMA / ProSparse)"),
     "opt-1.3b": SyntheticShape("opt", 2048, 8192, 24, 32, 32, 50272, 2048, "facebook/opt-1.3b"),
+    # llama-1b-relu's proportions at a quarter of its width, 4 layers: small enough to travel to a GPU machine
+    # (benchmarks/gpu_check.py's hybrid check), the same passes, kernels and schedule
+    "gpu-check-small": SyntheticShape("llama", 512, 1408, 4, 8, 4, 2048, 512,
+                                      "llama-1b-relu's proportions at 1/4 width, 4 layers (gpu_check)"),
     "tiny-llama-relu": SyntheticShape("llama", 128, 1024, 2, 4, 2, 512, 256, "tests"),
     "tiny-opt": SyntheticShape("opt", 128, 1024, 2, 4, 4, 512, 256, "tests"),
 }
