@@ -44,7 +44,8 @@ from torch import Tensor, fx
 import picompile.ir.ops  # noqa: F401  (registers picompile:: ops)
 from picompile.errors import InputError
 from picompile.ir.graph import get_tensor
-from picompile.ir.ops import KERNEL_TABLE, DirectCall, is_picompile_op
+from picompile.ir.ops import DirectCall, is_picompile_op
+from picompile.kernels.table import find_kernel
 
 log = logging.getLogger(__name__)
 
@@ -399,7 +400,7 @@ class Backends:
         for w in node.args[1:PART_MASK_ARG]:  # hot weights → GPU, once; the graph reads them there
             if isinstance(w, fx.Node):
                 _set_attr(gm, str(w.target), get_tensor(gm, w).to(self.device))
-        kernel = KERNEL_TABLE.get(part.gpu_kernel) if part.gpu_kernel else None
+        kernel = find_kernel(part.gpu_kernel) if part.gpu_kernel else None
         spec = getattr(kernel, "spec", None)
         if kernel is not None and (spec is None or str(spec.cuda_arch).rstrip("a") != _device_arch(self.device)):
             log.debug("hybrid: layer %s: CUDA kernel %s is for %s, this GPU is %s; using the torch reference",

@@ -129,14 +129,15 @@ def stale_kernels(entries: list[dict[str, Any]]) -> list[str]:
 
 
 def load_kernels(root: Path, entries: list[dict[str, Any]]) -> None:
-    """Load the kernels a manifest lists ("kernels") into picompile.ir.ops.KERNEL_TABLE (TVM runtime only).
+    """Load the kernels a manifest lists ("kernels") into this process's table (``picompile.kernels.table``,
+    where the tvm ops find them; TVM runtime only).
 
     CUDA kernels are loaded only where a CUDA device is present.
     """
     if not entries:
         return
     from picompile.kernels import KERNEL_ABI_VERSION, KernelSpec, load_kernel
-    from picompile.ir.ops import KERNEL_TABLE
+    from picompile.kernels.table import add_kernel, find_kernel
 
     stale = stale_kernels(entries)
     if stale:
@@ -148,9 +149,9 @@ def load_kernels(root: Path, entries: list[dict[str, Any]]) -> None:
         spec = KernelSpec(**entry["spec"])
         if spec.target != "llvm" and not cuda:
             continue
-        if entry["key"] in KERNEL_TABLE:
+        if find_kernel(entry["key"]) is not None:
             continue
         try:
-            KERNEL_TABLE[entry["key"]] = load_kernel(root / entry["file"], spec)
+            add_kernel(entry["key"], load_kernel(root / entry["file"], spec))
         except Exception as e:
             raise ArtifactError(f"cannot load kernel {entry['file']} of {root}: {type(e).__name__}: {e}") from None
