@@ -33,9 +33,11 @@ left as it was; the reasons are kept in ``gm.meta["hybrid_skipped"]`` and logged
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
 
 import torch
@@ -45,17 +47,15 @@ import picompile.ir.ops  # noqa: F401  (registers picompile:: ops)
 from picompile.errors import InputError
 from picompile.ir.graph import get_tensor
 from picompile.ir.ops import DirectCall, is_picompile_op
+from picompile.ir.schema import args_of, call_args, node_op, position
 from picompile.kernels.table import find_kernel
 
 log = logging.getLogger(__name__)
 
 MODES: tuple[str, ...] = ("auto", "inline", "thread", "cuda", "off")
 PART_OPS: tuple[str, ...] = ("sparse_ffn", "tvm_sparse_ffn")
-PART_MASK_ARG: int = 5  # a part op's args: x, w_up, b_up, w_gate, w_down_t, mask, act, layer, part, device[, kernels]
-PART_LAYER_ARG: int = 7
-PART_NAME_ARG: int = 8
-# a HybridFFN node's args: x, 4 hot weights, hot mask, 4 cold weights, cold mask, b_down
-HYBRID_MASK_ARGS: tuple[int, int] = (5, 10)
+PART_WEIGHTS: tuple[str, ...] = ("w_up", "b_up", "w_gate", "w_down_t")  # a part op's weights, in ``Weights`` order
+PART_VARYING: tuple[str, ...] = ("x", *PART_WEIGHTS, "mask")  # a part op's per-call arguments; the rest are constants
 SKIPPED_KEY: str = "hybrid_skipped"  # gm.meta key: why triples were left unscheduled
 
 Weights = tuple[Tensor, Optional[Tensor], Optional[Tensor], Tensor]  # w_up [k, d], b_up [k], w_gate [k, d], w_down_t [k, d]
@@ -85,23 +85,42 @@ def resolve_mode(mode: str, target_has_gpu: bool) -> str:
 class PartOp:
     """One partition's op and constant arguments, exactly as the graph had them."""
 
-    op: Callable[..., Tensor]  # torch.ops.picompile.sparse_ffn.default | …tvm_sparse_ffn.default
-    consts: tuple[Any, ...]  # act, layer, part, device[, kernel, gpu_kernel]
+    op: Callable[..., Tensor]  # picompile's sparse_ffn | tvm_sparse_ffn (a DirectCall, or the torch overload)
+    name: str  # "sparse_ffn" | "tvm_sparse_ffn": the op's schema (``picompile.ir.schema``)
+    consts: Mapping[str, Any]  # every argument but PART_VARYING: act, layer, part, device[, kernel, gpu_kernel]
     n_rows: int  # k: rows of this part's weights
+    # the positional call, made once by name: constants in place, PART_VARYING's slots filled per call
+    _template: tuple[Any, ...] = field(init=False, repr=False, compare=False)
+    _slots: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_template", call_args(self.name, {**dict.fromkeys(PART_VARYING), **self.consts}))
+        object.__setattr__(self, "_slots", tuple(position(self.name, n) for n in PART_VARYING))
 
     @property
     def gpu_kernel(self) -> str:
-        return str(self.consts[5]) if len(self.consts) > 5 else ""
+        return str(self.consts.get("gpu_kernel", ""))
 
     def __call__(self, x: Tensor, weights: Weights, mask: Optional[Tensor]) -> Tensor:
-        return self.op(x, *weights, mask, *self.consts)  # [..., d_model]
+        args = list(self._template)
+        for pos, value in zip(self._slots, (x, *weights, mask)):
+            args[pos] = value
+        return self.op(*args)  # [..., d_model]
 
 
 def part_op(gm: fx.GraphModule, node: fx.Node) -> PartOp:
     """The PartOp of a sparse_ffn / tvm_sparse_ffn node (its weights stay in the graph)."""
-    w_up = get_tensor(gm, node.args[1])  # type: ignore[arg-type]  # [k, d_model]
+    a = args_of(node)
+    w_up = get_tensor(gm, a["w_up"])  # [k, d_model]
     op = DirectCall(node.target) if isinstance(node.target, torch._ops.OpOverload) else node.target
-    return PartOp(op, tuple(node.args[PART_MASK_ARG + 1:]), int(w_up.shape[0]))  # type: ignore[arg-type]
+    consts = {k: v for k, v in a.items() if k not in PART_VARYING}
+    return PartOp(op, str(node_op(node)), consts, int(w_up.shape[0]))  # type: ignore[arg-type]
+
+
+def part_weights(node: fx.Node) -> list[Any]:
+    """A part op node's weight arguments (``PART_WEIGHTS``: w_up, b_up, w_gate, w_down_t), by name."""
+    a = args_of(node)
+    return [a[w] for w in PART_WEIGHTS]
 
 
 # -- pending results ----------------------------------------------------------------------------------
@@ -229,8 +248,9 @@ class CudaPartition:
         return self._reference(x, rows, None)  # type: ignore[arg-type]
 
     def _reference(self, x: Tensor, weights: Weights, mask: Optional[Tensor]) -> Tensor:
-        act, layer, part, device = self.part.consts[:4]
-        return picompile.ir.ops.sparse_ffn(x, *weights, mask, act, layer, part, device)  # [..., d_model]
+        consts = {k: self.part.consts[k] for k in ("act", "layer", "part", "device")}
+        values = {"x": x, **dict(zip(PART_WEIGHTS, weights)), "mask": mask, **consts}
+        return picompile.ir.ops.sparse_ffn(*call_args("sparse_ffn", values))  # [..., d_model]
 
     def _run_kernel(self, x: Tensor, weights: Weights, idx: Tensor) -> Tensor:
         import tvm_ffi
@@ -283,6 +303,27 @@ class HybridFFN:
         return f"HybridFFN(layer={self.layer}, mode={self.mode}, hot={self.hot!r}, cold={self.cold!r})"
 
 
+# a HybridFFN call's arguments by name (it is a Python callable, not a picompile op: its own layout, the one
+# place that knows it): x, the hot part's weights and mask (``_h``), the cold part's (``_c``), the down bias
+HYBRID_ARGS: tuple[str, ...] = tuple(inspect.signature(HybridFFN.__call__).parameters)[1:]
+HYBRID_MASKS: tuple[str, ...] = ("mask_h", "mask_c")
+
+
+def hybrid_args(node: fx.Node) -> dict[str, Any]:
+    """A HybridFFN node's arguments by name (``HYBRID_ARGS``)."""
+    return dict(zip(HYBRID_ARGS, node.args), **node.kwargs)
+
+
+def hybrid_call_args(values: Mapping[str, Any]) -> tuple[Any, ...]:
+    """A HybridFFN node's positional arguments from every one of ``HYBRID_ARGS`` by name."""
+    return tuple(values[name] for name in HYBRID_ARGS)
+
+
+def set_hybrid_args(node: fx.Node, **values: Any) -> None:
+    """Rewrite some arguments of a HybridFFN node by name."""
+    node.args, node.kwargs = hybrid_call_args({**hybrid_args(node), **values}), {}
+
+
 # -- matching ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Triple:
@@ -300,13 +341,15 @@ def _part_problem(node: Any, merge: fx.Node, name: str) -> str | None:
     """Why ``node`` is not the ``name`` ("hot" / "cold") part feeding only ``merge``; None if it is."""
     if not _is_op(node, PART_OPS):
         return f"its {name} input is {getattr(node, 'target', node)}, not a sparse_ffn / tvm_sparse_ffn part"
-    if node.kwargs or len(node.args) <= PART_NAME_ARG:
+    try:
+        part = args_of(node)["part"]
+    except TypeError:
         return f"its {name} part {node.name} has an unexpected argument list"
-    if node.args[PART_NAME_ARG] != name:
-        return f"its {name} input {node.name} is the {node.args[PART_NAME_ARG]!r} part"
+    if part != name:
+        return f"its {name} input {node.name} is the {part!r} part"
     if set(node.users) != {merge}:
         return f"its {name} part {node.name} is also used by {', '.join(u.name for u in node.users if u is not merge)}"
-    weights = node.args[1:PART_MASK_ARG]  # w_up, w_down_t required; b_up, w_gate optional
+    weights = part_weights(node)  # w_up, w_down_t required; b_up, w_gate optional
     if weights[0] is None or any(w is not None and not (isinstance(w, fx.Node) and w.op == "get_attr") for w in weights):
         return f"the weights of its {name} part {node.name} are not graph attributes"
     return None
@@ -315,24 +358,27 @@ def _part_problem(node: Any, merge: fx.Node, name: str) -> str | None:
 def match_triple(merge: fx.Node) -> Triple | str:
     """The (hot, cold, merge) triple a merge node closes, or why it is not one."""
     where = f"merge {merge.name}"
-    if merge.kwargs or len(merge.args) != 4:
+    try:
+        m = args_of(merge)
+    except TypeError:
         return f"{where}: unexpected argument list"
-    hot, cold, _, layer = merge.args
+    hot, cold, layer = m["hot"], m["cold"], m["layer"]
     for node, name in ((hot, "hot"), (cold, "cold")):
         problem = _part_problem(node, merge, name)
         if problem is not None:
             return f"{where} (layer {layer}): {problem}"
     assert isinstance(hot, fx.Node) and isinstance(cold, fx.Node)
-    if hot.args[0] is not cold.args[0]:
+    h, c = args_of(hot), args_of(cold)
+    if h["x"] is not c["x"]:
         return f"{where} (layer {layer}): the hot and cold parts read different inputs"
-    if not hot.args[PART_LAYER_ARG] == cold.args[PART_LAYER_ARG] == layer:
-        return f"{where}: layers disagree (merge {layer}, hot {hot.args[PART_LAYER_ARG]}, cold {cold.args[PART_LAYER_ARG]})"
+    if not h["layer"] == c["layer"] == layer:
+        return f"{where}: layers disagree (merge {layer}, hot {h['layer']}, cold {c['layer']})"
     return Triple(hot, cold, merge, int(layer))  # type: ignore[arg-type]
 
 
 def _shared_hot_weight(triple: Triple) -> str | None:
     """cuda moves the hot weights to the GPU: each must be read by the hot part alone."""
-    for w in triple.hot.args[1:PART_MASK_ARG]:
+    for w in part_weights(triple.hot):
         if isinstance(w, fx.Node) and set(w.users) != {triple.hot}:
             return f"layer {triple.layer}: hot weight {w.target} is also read elsewhere, so it cannot move to the GPU"
     return None
@@ -397,14 +443,14 @@ class Backends:
 
     def _cuda(self, gm: fx.GraphModule, node: fx.Node, part: PartOp) -> Partition:
         assert self.device is not None
-        for w in node.args[1:PART_MASK_ARG]:  # hot weights → GPU, once; the graph reads them there
+        for w in part_weights(node):  # hot weights → GPU, once; the graph reads them there
             if isinstance(w, fx.Node):
                 _set_attr(gm, str(w.target), get_tensor(gm, w).to(self.device))
         kernel = find_kernel(part.gpu_kernel) if part.gpu_kernel else None
         spec = getattr(kernel, "spec", None)
         if kernel is not None and (spec is None or str(spec.cuda_arch).rstrip("a") != _device_arch(self.device)):
             log.debug("hybrid: layer %s: CUDA kernel %s is for %s, this GPU is %s; using the torch reference",
-                      part.consts[1], part.gpu_kernel, getattr(spec, "cuda_arch", "?"), _device_arch(self.device))
+                      part.consts["layer"], part.gpu_kernel, getattr(spec, "cuda_arch", "?"), _device_arch(self.device))
             kernel = None
         all_rows = torch.arange(part.n_rows, dtype=torch.int32, device=self.device)  # [k]
         return CudaPartition(part, self.stream, self.device, kernel, all_rows)
@@ -413,10 +459,12 @@ class Backends:
 # -- the transform ----------------------------------------------------------------------------------
 def _rewrite(gm: fx.GraphModule, triple: Triple, scheduler: HybridFFN) -> fx.Node:
     g = gm.graph
-    hot, cold = triple.hot.args, triple.cold.args
-    args = (hot[0], *hot[1:PART_MASK_ARG + 1], *cold[1:PART_MASK_ARG + 1], triple.merge.args[2])
+    hot, cold = args_of(triple.hot), args_of(triple.cold)
+    per_part = (*PART_WEIGHTS, "mask")
+    values = {"x": hot["x"], **{f"{n}_h": hot[n] for n in per_part}, **{f"{n}_c": cold[n] for n in per_part},
+              "bias": args_of(triple.merge)["bias"]}
     with g.inserting_before(triple.merge):
-        node = g.call_function(scheduler, args)
+        node = g.call_function(scheduler, hybrid_call_args(values))
     node.meta.update({k: v for k, v in triple.merge.meta.items() if k in ("val", "tensor_meta", "nn_module_stack")})
     triple.merge.replace_all_uses_with(node)
     for old in (triple.merge, triple.hot, triple.cold):
