@@ -15,6 +15,9 @@ its kernels except the hybrid schedulers' (1B f16: 58.3 against 65.4 ms per step
 Its attention becomes two small matmuls and a softmax instead of torch's flash-attention call
 (``runtime/decode_attention.py``; 49.8 against 52.4 ms per 1B f16 step, one process, 8 interleaved rounds).
 
+These rewrites are load steps (``runtime/load_steps.py``: opaque-calls, inline-trivial, native-calls,
+decode-attention), run by the session on its prefill and decode forms; :func:`compile_step` compiles the result.
+
 Shapes are dynamic (the KV length grows every step): one graph for prefill, one for decode, compiled at
 their first calls (about a minute for a 1B model on 2 cores the first time, seconds once inductor's
 on-disk cache holds them). Needs a C++ compiler at load time, as inductor does.

@@ -15,7 +15,7 @@ lives (the CPU in this runtime).
     y = hybrid_ffn_<layer>(x, w_up_h, b_up_h, w_gate_h, w_down_t_h, mask_h,
                               w_up_c, b_up_c, w_gate_c, w_down_t_c, mask_c, b_down)
 
-Partition backends share one interface, ``Partition.launch(x, weights, mask) -> Pending`` and
+Partition backends (``runtime/partitions.py``) share one interface, ``Partition.launch(x, weights, mask) -> Pending`` and
 ``Pending.wait() -> Tensor`` (``[..., d_model]``):
 
 * ``inline``: computes at launch on the calling thread (hot, then cold), no concurrency. The fastest on
@@ -36,9 +36,9 @@ import contextlib
 import inspect
 import logging
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, fx
@@ -46,19 +46,31 @@ from torch import Tensor, fx
 import picompile.ir.ops  # noqa: F401  (registers picompile:: ops)
 from picompile.errors import InputError
 from picompile.ir.graph import get_tensor
-from picompile.ir.ops import DirectCall, is_picompile_op
-from picompile.ir.schema import args_of, call_args, node_op, position
+from picompile.ir.ops import is_picompile_op
+from picompile.ir.schema import args_of
 from picompile.kernels.table import find_kernel
+from picompile.runtime.partitions import (  # noqa: F401  (the partition backends, re-exported)
+    PART_OPS,
+    PART_VARYING,
+    PART_WEIGHTS,
+    CudaPartition,
+    Done,
+    EmptyPartition,
+    FuturePending,
+    InlinePartition,
+    PartOp,
+    Partition,
+    Pending,
+    ThreadPartition,
+    Weights,
+    part_op,
+    part_weights,
+)
 
 log = logging.getLogger(__name__)
 
 MODES: tuple[str, ...] = ("auto", "inline", "thread", "cuda", "off")
-PART_OPS: tuple[str, ...] = ("sparse_ffn", "tvm_sparse_ffn")
-PART_WEIGHTS: tuple[str, ...] = ("w_up", "b_up", "w_gate", "w_down_t")  # a part op's weights, in ``Weights`` order
-PART_VARYING: tuple[str, ...] = ("x", *PART_WEIGHTS, "mask")  # a part op's per-call arguments; the rest are constants
 SKIPPED_KEY: str = "hybrid_skipped"  # gm.meta key: why triples were left unscheduled
-
-Weights = tuple[Tensor, Optional[Tensor], Optional[Tensor], Tensor]  # w_up [k, d], b_up [k], w_gate [k, d], w_down_t [k, d]
 
 
 # -- modes ------------------------------------------------------------------------------------------
@@ -78,188 +90,6 @@ def resolve_mode(mode: str, target_has_gpu: bool) -> str:
     if mode != "auto":
         return mode
     return "cuda" if target_has_gpu and torch.cuda.is_available() else "inline"
-
-
-# -- one partition's op -----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class PartOp:
-    """One partition's op and constant arguments, exactly as the graph had them."""
-
-    op: Callable[..., Tensor]  # picompile's sparse_ffn | tvm_sparse_ffn (a DirectCall, or the torch overload)
-    name: str  # "sparse_ffn" | "tvm_sparse_ffn": the op's schema (``picompile.ir.schema``)
-    consts: Mapping[str, Any]  # every argument but PART_VARYING: act, layer, part, device[, kernel, gpu_kernel]
-    n_rows: int  # k: rows of this part's weights
-    # the positional call, made once by name: constants in place, PART_VARYING's slots filled per call
-    _template: tuple[Any, ...] = field(init=False, repr=False, compare=False)
-    _slots: tuple[int, ...] = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_template", call_args(self.name, {**dict.fromkeys(PART_VARYING), **self.consts}))
-        object.__setattr__(self, "_slots", tuple(position(self.name, n) for n in PART_VARYING))
-
-    @property
-    def gpu_kernel(self) -> str:
-        return str(self.consts.get("gpu_kernel", ""))
-
-    def __call__(self, x: Tensor, weights: Weights, mask: Optional[Tensor]) -> Tensor:
-        args = list(self._template)
-        for pos, value in zip(self._slots, (x, *weights, mask)):
-            args[pos] = value
-        return self.op(*args)  # [..., d_model]
-
-
-def part_op(gm: fx.GraphModule, node: fx.Node) -> PartOp:
-    """The PartOp of a sparse_ffn / tvm_sparse_ffn node (its weights stay in the graph)."""
-    a = args_of(node)
-    w_up = get_tensor(gm, a["w_up"])  # [k, d_model]
-    op = DirectCall(node.target) if isinstance(node.target, torch._ops.OpOverload) else node.target
-    consts = {k: v for k, v in a.items() if k not in PART_VARYING}
-    return PartOp(op, str(node_op(node)), consts, int(w_up.shape[0]))  # type: ignore[arg-type]
-
-
-def part_weights(node: fx.Node) -> list[Any]:
-    """A part op node's weight arguments (``PART_WEIGHTS``: w_up, b_up, w_gate, w_down_t), by name."""
-    a = args_of(node)
-    return [a[w] for w in PART_WEIGHTS]
-
-
-# -- pending results ----------------------------------------------------------------------------------
-class Pending(Protocol):
-    """A partition's result, maybe still being computed."""
-
-    def wait(self) -> Tensor: ...  # [..., d_model], on the host
-
-
-class Partition(Protocol):
-    """Where and how one partition runs."""
-
-    def launch(self, x: Tensor, weights: Weights, mask: Optional[Tensor]) -> Pending: ...
-
-
-@dataclass
-class Done:
-    """A result computed at launch."""
-
-    value: Tensor  # [..., d_model]
-
-    def wait(self) -> Tensor:
-        return self.value
-
-
-@dataclass
-class FuturePending:
-    """A result the worker thread computes."""
-
-    future: Future[Tensor]
-
-    def wait(self) -> Tensor:
-        return self.future.result()  # blocks on a condition variable; re-raises the worker's exception
-
-
-@dataclass
-class CudaPending:
-    """A result on its way into pinned host memory; ``done`` is recorded after the device→host copy."""
-
-    done: Any  # torch.cuda.Event(blocking_sync=True)
-    out: Tensor  # [..., d_model], pinned host memory
-
-    def wait(self) -> Tensor:
-        self.done.synchronize()  # the thread sleeps until the event (blocking_sync), no busy-wait
-        return self.out
-
-
-# -- backends -------------------------------------------------------------------------------------
-@dataclass
-class EmptyPartition:
-    """A part with no rows (k = 0): launches nothing, its result is zeros."""
-
-    def launch(self, x: Tensor, weights: Weights, mask: Optional[Tensor]) -> Pending:
-        return Done(torch.zeros_like(x))  # [..., d_model]
-
-
-@dataclass
-class InlinePartition:
-    """Computes the part at launch on the calling thread."""
-
-    part: PartOp
-
-    def launch(self, x: Tensor, weights: Weights, mask: Optional[Tensor]) -> Pending:
-        return Done(self.part(x, weights, mask))
-
-
-def _run_in_modes(part: PartOp, inference: bool, grad: bool, x: Tensor, weights: Weights,
-                  mask: Optional[Tensor]) -> Tensor:
-    """``part(x, …)`` on the worker thread under the caller's grad / inference mode (both thread-local)."""
-    with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-        return part(x, weights, mask)
-
-
-@dataclass
-class ThreadPartition:
-    """Computes the part on the shared worker thread: the GPU's asynchrony, emulated on the CPU."""
-
-    part: PartOp
-    worker: ThreadPoolExecutor  # max_workers=1, shared by every layer of one graph
-
-    def launch(self, x: Tensor, weights: Weights, mask: Optional[Tensor]) -> Pending:
-        inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
-        return FuturePending(self.worker.submit(_run_in_modes, self.part, inference, grad, x, weights, mask))
-
-
-def _to_device(t: Tensor, device: torch.device) -> Tensor:
-    """Host → device through pinned memory, so the copy is asynchronous (on the current stream)."""
-    return t.pin_memory().to(device, non_blocking=True)
-
-
-def _active_rows(mask: Tensor) -> Tensor:
-    """Indices of the true entries of a one-token mask, on the host: [k_active] int32."""
-    return mask.reshape(-1).nonzero().squeeze(1).to(torch.int32)
-
-
-@dataclass
-class CudaPartition:
-    """The hot part on the GPU: its weights (graph buffers) were moved there once, at load."""
-
-    part: PartOp
-    stream: Any  # torch.cuda.Stream, shared by every layer of one graph
-    device: torch.device
-    kernel: Any  # the CUDA SparseKernel for this device, or None: the torch reference math
-    all_rows: Tensor  # [k] int32 on the device: the rows a mask-less (dense) call computes
-
-    def launch(self, x: Tensor, weights: Weights, mask: Optional[Tensor]) -> Pending:
-        with torch.cuda.stream(self.stream):
-            y = self._compute(_to_device(x, self.device), weights, mask)  # [..., d_model] on the device
-            out = torch.empty(x.shape, dtype=y.dtype, pin_memory=True)  # [..., d_model] on the host
-            out.copy_(y, non_blocking=True)
-            done = torch.cuda.Event(blocking_sync=True)
-            done.record(self.stream)
-        return CudaPending(done, out)
-
-    def _compute(self, x: Tensor, weights: Weights, mask: Optional[Tensor]) -> Tensor:
-        d = x.shape[-1]
-        if x.numel() != d or (mask is None and self.kernel is None):  # prefill, or every row: dense
-            dev_mask = None if mask is None else _to_device(mask, self.device)  # [..., k]
-            return self._reference(x, weights, dev_mask)  # the mask applied, as the reference op does
-        # one token: the active rows are found on the host (no device sync) and sent as indices
-        idx = self.all_rows if mask is None else _to_device(_active_rows(mask), self.device)  # [k_active]
-        if self.kernel is not None:
-            return self._run_kernel(x.reshape(d), weights, idx).reshape(x.shape)
-        rows = tuple(None if w is None else w.index_select(0, idx) for w in weights)  # [k_active, …]
-        return self._reference(x, rows, None)  # type: ignore[arg-type]
-
-    def _reference(self, x: Tensor, weights: Weights, mask: Optional[Tensor]) -> Tensor:
-        consts = {k: self.part.consts[k] for k in ("act", "layer", "part", "device")}
-        values = {"x": x, **dict(zip(PART_WEIGHTS, weights)), "mask": mask, **consts}
-        return picompile.ir.ops.sparse_ffn(*call_args("sparse_ffn", values))  # [..., d_model]
-
-    def _run_kernel(self, x: Tensor, weights: Weights, idx: Tensor) -> Tensor:
-        import tvm_ffi
-
-        w_up, b_up, w_gate, w_down_t = weights
-        y = torch.empty(x.shape[-1], dtype=torch.float32, device=self.device)  # [d_model]
-        with tvm_ffi.use_torch_stream(torch.cuda.stream(self.stream)):  # TVM launches on our stream too
-            self.kernel.unchecked(x, w_up, w_gate, b_up, w_down_t, idx, y)
-        return y
 
 
 # -- the per-layer scheduler ------------------------------------------------------------------------
