@@ -15,8 +15,8 @@ lives (the CPU in this runtime).
     y = hybrid_ffn_<layer>(x, w_up_h, b_up_h, w_gate_h, w_down_t_h, mask_h,
                               w_up_c, b_up_c, w_gate_c, w_down_t_c, mask_c, b_down)
 
-Partition backends (``runtime/partitions.py``) share one interface, ``Partition.launch(x, weights, mask) -> Pending`` and
-``Pending.wait() -> Tensor`` (``[..., d_model]``):
+Partition backends (``runtime/partitions.py``) share one interface, ``Partition.launch(x, weights, mask) ->
+Pending`` and ``Pending.wait() -> Tensor`` (``[..., d_model]``):
 
 * ``inline``: computes at launch on the calling thread (hot, then cold), no concurrency. The fastest on
   a CPU-only machine, where either part alone already uses every core.

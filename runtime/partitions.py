@@ -39,11 +39,16 @@ class PartOp:
     # the positional call, made once by name: constants in place, PART_VARYING's slots filled per call
     _template: tuple[Any, ...] = field(init=False, repr=False, compare=False)
     _slots: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _tail: Optional[tuple[Any, ...]] = field(init=False, repr=False, compare=False)  # the constants, when they follow
 
     def __post_init__(self) -> None:
         name = self.name
-        object.__setattr__(self, "_template", call_args(name, {**dict.fromkeys(PART_VARYING), **self.consts}))
-        object.__setattr__(self, "_slots", tuple(position(name, n) for n in PART_VARYING))
+        template = call_args(name, {**dict.fromkeys(PART_VARYING), **self.consts})
+        slots = tuple(position(name, n) for n in PART_VARYING)
+        leading = slots == tuple(range(len(slots)))  # the schema puts the per-call arguments first (both ops do)
+        object.__setattr__(self, "_template", template)
+        object.__setattr__(self, "_slots", slots)
+        object.__setattr__(self, "_tail", template[len(slots):] if leading else None)
 
     @property
     def name(self) -> str:
@@ -57,6 +62,8 @@ class PartOp:
         return str(self.consts.get("gpu_kernel", ""))
 
     def __call__(self, x: Tensor, weights: Weights, mask: Optional[Tensor]) -> Tensor:
+        if self._tail is not None:  # the decode hot path: no argument list to fill
+            return self.op(x, *weights, mask, *self._tail)  # [..., d_model]
         args = list(self._template)
         for pos, value in zip(self._slots, (x, *weights, mask)):
             args[pos] = value
