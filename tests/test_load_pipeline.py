@@ -21,6 +21,7 @@ from picompile.runtime.load_pipeline import (
     LoadOptions,
     LoadRun,
     LoadState,
+    describe,
     graph_steps,
     load_step,
     load_steps,
@@ -59,6 +60,9 @@ def split_artifact(checkpoints: dict, tmp_path_factory: pytest.TempPathFactory) 
 def test_each_load_path_has_its_step_list(options: LoadOptions, want: list[str]) -> None:
     assert load_steps(options) == want == graph_steps(options) + session_steps(options)
     assert all(name in registered() for name in want)
+    listing = describe(want).splitlines()  # the list, printable: one line per step, with the graphs it writes
+    assert [line.split()[0] for line in listing] == want
+    assert all(f"[{', '.join(LOAD_STEPS[n].writes)}]" in line for n, line in zip(want, listing))
 
 
 def test_a_load_reports_its_steps(split_artifact: Path) -> None:
