@@ -31,7 +31,7 @@ import picompile
 from picompile.tools.traffic import copy_bandwidth
 from picompile.errors import PicompileError
 from picompile.kernels.loader import CALL_ARGS
-from picompile.ir.ops import KERNEL_TABLE
+from picompile.kernels.table import KERNEL_TABLE
 from picompile.runtime import Session
 
 

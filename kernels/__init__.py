@@ -12,6 +12,7 @@ Public API::
     aligned_copies({name: t})                 # load time: every weight aligned, on huge pages
     validate_indices(idx, n_rows)              # once at load time, never per call
     dense_ffn(...)                             # torch fallback (prefill / reference)
+    KERNEL_TABLE, find_kernel(key), add_kernel(key, k)   # this process's loaded kernels (``table.py``)
     set_num_threads(n), num_threads()          # the TVM runtime's CPU thread pool
 """
 from __future__ import annotations
@@ -41,6 +42,10 @@ _LAZY: dict[str, str] = {
     "IndexValidationError": "loader",
     "KernelLoadError": "loader",
     "dense_ffn": "fallback",
+    "KERNEL_TABLE": "table",
+    "find_kernel": "table",
+    "add_kernel": "table",
+    "threshold_tensor": "table",
 }
 
 __all__ = ["KERNEL_ABI_VERSION", "KernelSpec", "KernelSpecError", "skips_inactive", *_LAZY]

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable, Optional, Sequence
 
 from picompile.runtime.session import Session
 
 
 def load(path: str | Path, verify: bool = True, dense: bool = False, hybrid: str = "auto",
-         compile: bool = False, prefill_dtype: str | None = None) -> Session:
+         compile: bool = False, prefill_dtype: str | None = None, *, print_after: Sequence[str] = (),
+         dump_ir: str | Path | None = None, emit: Callable[[str], None] = print) -> Session:
     """Load an artifact directory: check its manifest version and checksums, bind weights, return a Session.
 
     ``dense=True`` computes every FFN neuron (predictors dropped): the artifact's own dense reference.
@@ -22,10 +24,15 @@ def load(path: str | Path, verify: bool = True, dense: bool = False, hybrid: str
     ``prefill_dtype="bfloat16"`` runs the prompt's GEMMs in bfloat16 (AMX / AVX512-BF16 CPUs only; a
     bfloat16 copy of the weights it converts, ~3e-3 relative error per GEMM; see ``runtime/compute_dtype.py``);
     decode is unchanged.
+
+    The graph rewrites of the load are a named list of steps (``runtime/load_pipeline.py``), which these
+    options decide and ``session.load_steps`` reports: ``print_after`` (step names, or "all") emits the
+    graphs a step wrote after it, ``dump_ir`` writes one ``NNN_step.txt`` per step to that directory.
     """
     from picompile.formats.artifact import read_manifest
     from picompile.runtime.hybrid import check_mode
-    from picompile.runtime.loader import load_graph
+    from picompile.runtime.load_pipeline import LoadRun, load_steps
+    from picompile.runtime.loader import load_graph, load_options
 
     check_mode(hybrid)  # a bad mode or prefill dtype fails before anything is read
     from picompile.runtime.compute_dtype import resolve
@@ -42,13 +49,21 @@ def load(path: str | Path, verify: bool = True, dense: bool = False, hybrid: str
         from picompile.targets import Target
 
         hybrid = transparent_mode(hybrid, Target.from_json(manifest.target).has_gpu)
-    graph = load_graph(root, manifest, dense=dense, hybrid=hybrid, direct=True)
+    options = load_options(manifest, dense=dense, hybrid=hybrid, direct=True, compile=compile,
+                           prefill_dtype=prefill_dtype)
+    # an unknown print_after name fails here, before the graph is read
+    run = LoadRun(load_steps(options), print_after=list(print_after), dump_ir=_path(dump_ir), emit=emit)
+    graph = load_graph(root, manifest, dense=dense, hybrid=hybrid, direct=True, run=run)
     tokenizer = None
     if manifest.tokenizer:
         from picompile.formats.tokenizers import load_tokenizer_entry
 
         tokenizer = load_tokenizer_entry(manifest.tokenizer, root)
-    return Session(root, manifest, graph, tokenizer, compile=compile, prefill_dtype=prefill_dtype)
+    return Session(root, manifest, graph, tokenizer, compile=compile, prefill_dtype=prefill_dtype, load_run=run)
+
+
+def _path(p: str | Path | None) -> Optional[Path]:
+    return None if p is None else Path(p)
 
 
 __all__ = ["Session", "load"]

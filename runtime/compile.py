@@ -15,6 +15,9 @@ its kernels except the hybrid schedulers' (1B f16: 58.3 against 65.4 ms per step
 Its attention becomes two small matmuls and a softmax instead of torch's flash-attention call
 (``runtime/decode_attention.py``; 49.8 against 52.4 ms per 1B f16 step, one process, 8 interleaved rounds).
 
+These rewrites are load steps (``runtime/load_steps.py``: opaque-calls, inline-trivial, native-calls,
+decode-attention), run by the session on its prefill and decode forms; :func:`compile_step` compiles the result.
+
 Shapes are dynamic (the KV length grows every step): one graph for prefill, one for decode, compiled at
 their first calls (about a minute for a 1B model on 2 cores the first time, seconds once inductor's
 on-disk cache holds them). Needs a C++ compiler at load time, as inductor does.
@@ -29,7 +32,8 @@ from torch import Tensor, fx
 
 from picompile.errors import InputError, PicompileError
 from picompile.ir.graph import get_tensor
-from picompile.ir.ops import DirectCall, is_picompile_op
+from picompile.ir.ops import DirectCall
+from picompile.ir.schema import args_of, node_op
 from picompile.runtime.hybrid import PART_OPS, HybridFFN, resolve_mode
 
 StepFn = Callable[..., tuple[Tensor, ...]]  # (ids [1, seq], *past) -> (logits, *presents), or (logits,) in place
@@ -62,48 +66,62 @@ def check_compiler() -> None:
                          "none was found (load without compile)")
 
 
-def _inline_trivial(gm: fx.GraphModule, graph: fx.Graph, node: fx.Node) -> None:
-    """Rewrite ``node`` into aten ops inductor can fuse when it is trivial: ``merge(hot, cold, b, layer)`` is
-    ``hot + cold (+ b)``, and an FFN part with no rows (every neuron on the other device) is zeros — so an
-    empty hot part and its merge fold away instead of costing two opaque calls per layer."""
-    if is_picompile_op(node.target, "merge"):
-        hot, cold, bias = node.args[:3]
+def _inline_node(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Rewrite ``node`` into aten ops inductor can fuse when it is trivial: ``merge(hot, cold, bias, layer)`` is
+    ``hot + cold (+ bias)``, and an FFN part with no rows (every neuron on the other device) is zeros — so an
+    empty hot part and its merge fold away instead of costing two opaque calls per layer. True if it was."""
+    graph, op = gm.graph, node_op(node)
+    if op == "merge":
+        a = args_of(node)
         with graph.inserting_before(node):
-            out = graph.call_function(torch.ops.aten.add.Tensor, (hot, cold))
-            if bias is not None:
-                out = graph.call_function(torch.ops.aten.add.Tensor, (out, bias))
-    elif any(is_picompile_op(node.target, op) for op in PART_OPS) and get_tensor(gm, node.args[1]).shape[0] == 0:
+            out = graph.call_function(torch.ops.aten.add.Tensor, (a["hot"], a["cold"]))
+            if a["bias"] is not None:
+                out = graph.call_function(torch.ops.aten.add.Tensor, (out, a["bias"]))
+    elif op in PART_OPS and get_tensor(gm, args_of(node)["w_up"]).shape[0] == 0:
         with graph.inserting_before(node):
-            out = graph.call_function(torch.ops.aten.zeros_like.default, (node.args[0],))
+            out = graph.call_function(torch.ops.aten.zeros_like.default, (args_of(node)["x"],))
     else:
-        return
+        return False
     out.meta.update(node.meta)
     node.replace_all_uses_with(out)
     graph.erase_node(node)
+    return True
 
 
-def _opaque_copy(gm: fx.GraphModule) -> fx.GraphModule:
+def inline_trivial(gm: fx.GraphModule) -> int:
+    """Every trivial picompile op of ``gm`` (merges, FFN parts without rows) as aten ops, in place; how many."""
+    count = sum(_inline_node(gm, node) for node in list(gm.graph.nodes) if node.op == "call_function")
+    gm.recompile()
+    return count
+
+
+def opaque_calls(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of ``gm`` sharing its weights, where picompile ops are their torch op overloads again
     (inductor calls them through their fake implementations' shapes, where a ``DirectCall`` would be
-    traced into), trivial ones are aten ops (``_inline_trivial``) and hybrid schedulers are opaque calls."""
+    traced into) and hybrid schedulers are opaque calls (graph breaks)."""
     graph = copy.deepcopy(gm.graph)
-    for node in list(graph.nodes):
+    for node in graph.nodes:
         if node.op != "call_function":
             continue
         if isinstance(node.target, DirectCall):
             node.target = node.target.overload
-        if isinstance(node.target, HybridFFN):
+        elif isinstance(node.target, HybridFFN):
             node.target = _opaque(node.target)
-        else:
-            _inline_trivial(gm, graph, node)
     return fx.GraphModule(gm, graph)  # its buffers are gm's tensors
 
 
-def compile_step(gm: fx.GraphModule, prefill_gm: fx.GraphModule | None = None, native: bool = True,
-                 matmul_attention: bool = True) -> StepFn:
-    """The compiled step of a loaded graph ``gm`` (several tokens: of ``prefill_gm`` when given, e.g. the same
-    graph without neuron masks), which is left as it is (the graph to inspect and interpret); the compiled
-    copies share its weights."""
+def _opaque_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """What the compiler gets of ``gm``: :func:`opaque_calls`, then :func:`inline_trivial` (load steps
+    ``opaque-calls`` and ``inline-trivial``)."""
+    out = opaque_calls(gm)
+    inline_trivial(out)
+    return out
+
+
+def compile_step(decode_gm: fx.GraphModule, prefill_gm: fx.GraphModule) -> StepFn:
+    """The compiled step: one token runs ``decode_gm``, several ``prefill_gm`` — each the load steps' compiler
+    form of the session's graph (``opaque-calls``, ``inline-trivial``; decode also ``native-calls`` and
+    ``decode-attention``), two distinct modules (each with its own compiled graphs)."""
     check_compiler()
     # two copies, each with its own generated code (so its own compiled graphs): prefill's fused loops use
     # every thread, decode's run on one — a decode step's glue is tiny, and waking OpenMP workers for each
@@ -113,19 +131,7 @@ def compile_step(gm: fx.GraphModule, prefill_gm: fx.GraphModule | None = None, n
     # launched from generated C++ instead of a generated Python function (measured: 61.2 against 63.8 ms
     # per 1B f16 step, one process, 8 interleaved rounds, faster in every round); prefill's wrapper time is
     # nothing next to its GEMMs, so it keeps the Python wrapper, which compiles faster
-    prefill = torch.compile(_opaque_copy(prefill_gm if prefill_gm is not None else gm), dynamic=True)
-    decode_gm = _opaque_copy(gm)
-    native_calls, native_reason, attention_rewrites = 0, "native=False", 0
-    if native:  # the kernel calls as C++ ops (runtime/native.py): with the C++ wrapper, no Python per call
-        from picompile.runtime.native import load_library, to_native
-
-        native_reason = load_library()
-        if not native_reason:
-            native_calls = to_native(decode_gm)
-    if matmul_attention:  # torch's flash-attention call costs more than the two tiny GEMMs (runtime/decode_attention.py)
-        from picompile.runtime.decode_attention import rewrite_attention
-
-        attention_rewrites = rewrite_attention(decode_gm)
+    prefill = torch.compile(prefill_gm, dynamic=True)
     decode = torch.compile(decode_gm, dynamic=True, options={"cpp.threads": 1, "cpp_wrapper": True})
 
     def step(ids: Tensor, *past: Tensor) -> tuple[Tensor, ...]:
@@ -142,7 +148,4 @@ def compile_step(gm: fx.GraphModule, prefill_gm: fx.GraphModule | None = None, n
         # next step's graph is guarded on strides, so every present is handed on contiguous
         return tuple(o if o.is_contiguous() else o.contiguous() for o in out)
 
-    step.native_calls = native_calls  # type: ignore[attr-defined]  # kernel calls per decode step made C++ ops
-    step.native_reason = native_reason  # type: ignore[attr-defined]  # why none were ("" when the library loaded)
-    step.attention_rewrites = attention_rewrites  # type: ignore[attr-defined]  # sdpa calls made matmuls (decode)
     return step

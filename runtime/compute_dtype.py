@@ -16,21 +16,23 @@ from torch import fx
 
 from picompile.errors import InputError
 from picompile.ir.graph import shared_copy
-from picompile.ir.ops import call_directly, is_picompile_op
+from picompile.ir.ops import call_directly
+from picompile.ir.schema import arg_names, args_of, call_args, node_op
 
 aten = torch.ops.aten
 _OPS = torch.ops.picompile
 
-# op name → (the op the rewritten node calls, positions of its weight arguments); the lowered forms become
-# their reference ops, which take the torch GEMM path for any token count (their kernels read float16)
-_WEIGHTS: dict[str, tuple[str, tuple[int, ...]]] = {
-    "linear": ("linear", (1,)),
-    "tvm_linear": ("linear", (1,)),
-    "ffn": ("ffn", (1, 3, 4)),
-    "sparse_ffn": ("sparse_ffn", (1, 3, 4)),
-    "tvm_sparse_ffn": ("sparse_ffn", (1, 3, 4)),
+# op name → (the op the rewritten node calls, its weight arguments); the lowered forms become their reference
+# ops (their arguments shared by name; the kernel keys go), which take the torch GEMM path for any token count
+# (their kernels read float16)
+_WEIGHTS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "linear": ("linear", ("w",)),
+    "tvm_linear": ("linear", ("w",)),
+    "ffn": ("ffn", ("w_up", "w_gate", "w_down")),
+    "sparse_ffn": ("sparse_ffn", ("w_up", "w_gate", "w_down_t")),
+    "tvm_sparse_ffn": ("sparse_ffn", ("w_up", "w_gate", "w_down_t")),
 }
-_ARITY = {"linear": 3, "ffn": 9, "sparse_ffn": 10}  # arguments the target op takes (tvm_* add kernel keys)
+_ATEN_LINEAR = {"input": "x", "weight": "w", "bias": "b"}  # aten.linear's argument names → picompile::linear's
 
 COMPUTE_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16}
 
@@ -55,7 +57,18 @@ def _op_name(node: fx.Node) -> str | None:
         return None
     if node.target is aten.linear.default:
         return "linear"
-    return next((name for name in _WEIGHTS if is_picompile_op(node.target, name)), None)
+    op = node_op(node)
+    return op if op in _WEIGHTS else None
+
+
+def _named_args(node: fx.Node) -> dict[str, object]:
+    """The arguments of a linear / FFN node by name: a picompile op's (``ir.schema``), or aten.linear's as
+    picompile::linear names them."""
+    if node.target is not aten.linear.default:
+        return args_of(node)
+    names = [a.name for a in aten.linear.default._schema.arguments]  # input, weight, bias
+    given = dict(zip(names, node.args), **node.kwargs)
+    return {"b": None, **{_ATEN_LINEAR[k]: v for k, v in given.items()}}
 
 
 def with_compute_dtype(gm: fx.GraphModule, dtype: torch.dtype) -> fx.GraphModule:
@@ -83,13 +96,10 @@ def with_compute_dtype(gm: fx.GraphModule, dtype: torch.dtype) -> fx.GraphModule
         op = _op_name(node)
         if op is None:
             continue
-        target, positions = _WEIGHTS[op]
-        args = list(node.args)[: _ARITY[target]]
-        if node.target is aten.linear.default and len(args) < 3:
-            args.append(None)
-        for pos in positions:
-            args[pos] = convert(args[pos])
-        node.target = getattr(_OPS, target).default
-        node.args = tuple(args)
+        target, weights = _WEIGHTS[op]
+        args = _named_args(node)
+        values = {k: v for k, v in args.items() if k in arg_names(target)}
+        values.update({w: convert(args[w]) for w in weights})
+        node.target, node.args, node.kwargs = getattr(_OPS, target).default, call_args(target, values), {}
     out.graph.eliminate_dead_code()
     return call_directly(out)

@@ -15,8 +15,8 @@ lives (the CPU in this runtime).
     y = hybrid_ffn_<layer>(x, w_up_h, b_up_h, w_gate_h, w_down_t_h, mask_h,
                               w_up_c, b_up_c, w_gate_c, w_down_t_c, mask_c, b_down)
 
-Partition backends share one interface, ``Partition.launch(x, weights, mask) -> Pending`` and
-``Pending.wait() -> Tensor`` (``[..., d_model]``):
+Partition backends (``runtime/partitions.py``) share one interface, ``Partition.launch(x, weights, mask) ->
+Pending`` and ``Pending.wait() -> Tensor`` (``[..., d_model]``):
 
 * ``inline``: computes at launch on the calling thread (hot, then cold), no concurrency. The fastest on
   a CPU-only machine, where either part alone already uses every core.
@@ -33,10 +33,12 @@ left as it was; the reasons are kept in ``gm.meta["hybrid_skipped"]`` and logged
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, fx
@@ -44,20 +46,31 @@ from torch import Tensor, fx
 import picompile.ir.ops  # noqa: F401  (registers picompile:: ops)
 from picompile.errors import InputError
 from picompile.ir.graph import get_tensor
-from picompile.ir.ops import KERNEL_TABLE, DirectCall, is_picompile_op
+from picompile.ir.ops import is_picompile_op
+from picompile.ir.schema import args_of
+from picompile.kernels.table import find_kernel
+from picompile.runtime.partitions import (  # noqa: F401  (the partition backends, re-exported)
+    PART_OPS,
+    PART_VARYING,
+    PART_WEIGHTS,
+    CudaPartition,
+    Done,
+    EmptyPartition,
+    FuturePending,
+    InlinePartition,
+    PartOp,
+    Partition,
+    Pending,
+    ThreadPartition,
+    Weights,
+    part_op,
+    part_weights,
+)
 
 log = logging.getLogger(__name__)
 
 MODES: tuple[str, ...] = ("auto", "inline", "thread", "cuda", "off")
-PART_OPS: tuple[str, ...] = ("sparse_ffn", "tvm_sparse_ffn")
-PART_MASK_ARG: int = 5  # a part op's args: x, w_up, b_up, w_gate, w_down_t, mask, act, layer, part, device[, kernels]
-PART_LAYER_ARG: int = 7
-PART_NAME_ARG: int = 8
-# a HybridFFN node's args: x, 4 hot weights, hot mask, 4 cold weights, cold mask, b_down
-HYBRID_MASK_ARGS: tuple[int, int] = (5, 10)
 SKIPPED_KEY: str = "hybrid_skipped"  # gm.meta key: why triples were left unscheduled
-
-Weights = tuple[Tensor, Optional[Tensor], Optional[Tensor], Tensor]  # w_up [k, d], b_up [k], w_gate [k, d], w_down_t [k, d]
 
 
 # -- modes ------------------------------------------------------------------------------------------
@@ -77,168 +90,6 @@ def resolve_mode(mode: str, target_has_gpu: bool) -> str:
     if mode != "auto":
         return mode
     return "cuda" if target_has_gpu and torch.cuda.is_available() else "inline"
-
-
-# -- one partition's op -----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class PartOp:
-    """One partition's op and constant arguments, exactly as the graph had them."""
-
-    op: Callable[..., Tensor]  # torch.ops.picompile.sparse_ffn.default | …tvm_sparse_ffn.default
-    consts: tuple[Any, ...]  # act, layer, part, device[, kernel, gpu_kernel]
-    n_rows: int  # k: rows of this part's weights
-
-    @property
-    def gpu_kernel(self) -> str:
-        return str(self.consts[5]) if len(self.consts) > 5 else ""
-
-    def __call__(self, x: Tensor, weights: Weights, mask: Optional[Tensor]) -> Tensor:
-        return self.op(x, *weights, mask, *self.consts)  # [..., d_model]
-
-
-def part_op(gm: fx.GraphModule, node: fx.Node) -> PartOp:
-    """The PartOp of a sparse_ffn / tvm_sparse_ffn node (its weights stay in the graph)."""
-    w_up = get_tensor(gm, node.args[1])  # type: ignore[arg-type]  # [k, d_model]
-    op = DirectCall(node.target) if isinstance(node.target, torch._ops.OpOverload) else node.target
-    return PartOp(op, tuple(node.args[PART_MASK_ARG + 1:]), int(w_up.shape[0]))  # type: ignore[arg-type]
-
-
-# -- pending results ----------------------------------------------------------------------------------
-class Pending(Protocol):
-    """A partition's result, maybe still being computed."""
-
-    def wait(self) -> Tensor: ...  # [..., d_model], on the host
-
-
-class Partition(Protocol):
-    """Where and how one partition runs."""
-
-    def launch(self, x: Tensor, weights: Weights, mask: Optional[Tensor]) -> Pending: ...
-
-
-@dataclass
-class Done:
-    """A result computed at launch."""
-
-    value: Tensor  # [..., d_model]
-
-    def wait(self) -> Tensor:
-        return self.value
-
-
-@dataclass
-class FuturePending:
-    """A result the worker thread computes."""
-
-    future: Future[Tensor]
-
-    def wait(self) -> Tensor:
-        return self.future.result()  # blocks on a condition variable; re-raises the worker's exception
-
-
-@dataclass
-class CudaPending:
-    """A result on its way into pinned host memory; ``done`` is recorded after the device→host copy."""
-
-    done: Any  # torch.cuda.Event(blocking_sync=True)
-    out: Tensor  # [..., d_model], pinned host memory
-
-    def wait(self) -> Tensor:
-        self.done.synchronize()  # the thread sleeps until the event (blocking_sync), no busy-wait
-        return self.out
-
-
-# -- backends -------------------------------------------------------------------------------------
-@dataclass
-class EmptyPartition:
-    """A part with no rows (k = 0): launches nothing, its result is zeros."""
-
-    def launch(self, x: Tensor, weights: Weights, mask: Optional[Tensor]) -> Pending:
-        return Done(torch.zeros_like(x))  # [..., d_model]
-
-
-@dataclass
-class InlinePartition:
-    """Computes the part at launch on the calling thread."""
-
-    part: PartOp
-
-    def launch(self, x: Tensor, weights: Weights, mask: Optional[Tensor]) -> Pending:
-        return Done(self.part(x, weights, mask))
-
-
-def _run_in_modes(part: PartOp, inference: bool, grad: bool, x: Tensor, weights: Weights,
-                  mask: Optional[Tensor]) -> Tensor:
-    """``part(x, …)`` on the worker thread under the caller's grad / inference mode (both thread-local)."""
-    with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-        return part(x, weights, mask)
-
-
-@dataclass
-class ThreadPartition:
-    """Computes the part on the shared worker thread: the GPU's asynchrony, emulated on the CPU."""
-
-    part: PartOp
-    worker: ThreadPoolExecutor  # max_workers=1, shared by every layer of one graph
-
-    def launch(self, x: Tensor, weights: Weights, mask: Optional[Tensor]) -> Pending:
-        inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
-        return FuturePending(self.worker.submit(_run_in_modes, self.part, inference, grad, x, weights, mask))
-
-
-def _to_device(t: Tensor, device: torch.device) -> Tensor:
-    """Host → device through pinned memory, so the copy is asynchronous (on the current stream)."""
-    return t.pin_memory().to(device, non_blocking=True)
-
-
-def _active_rows(mask: Tensor) -> Tensor:
-    """Indices of the true entries of a one-token mask, on the host: [k_active] int32."""
-    return mask.reshape(-1).nonzero().squeeze(1).to(torch.int32)
-
-
-@dataclass
-class CudaPartition:
-    """The hot part on the GPU: its weights (graph buffers) were moved there once, at load."""
-
-    part: PartOp
-    stream: Any  # torch.cuda.Stream, shared by every layer of one graph
-    device: torch.device
-    kernel: Any  # the CUDA SparseKernel for this device, or None: the torch reference math
-    all_rows: Tensor  # [k] int32 on the device: the rows a mask-less (dense) call computes
-
-    def launch(self, x: Tensor, weights: Weights, mask: Optional[Tensor]) -> Pending:
-        with torch.cuda.stream(self.stream):
-            y = self._compute(_to_device(x, self.device), weights, mask)  # [..., d_model] on the device
-            out = torch.empty(x.shape, dtype=y.dtype, pin_memory=True)  # [..., d_model] on the host
-            out.copy_(y, non_blocking=True)
-            done = torch.cuda.Event(blocking_sync=True)
-            done.record(self.stream)
-        return CudaPending(done, out)
-
-    def _compute(self, x: Tensor, weights: Weights, mask: Optional[Tensor]) -> Tensor:
-        d = x.shape[-1]
-        if x.numel() != d or (mask is None and self.kernel is None):  # prefill, or every row: dense
-            dev_mask = None if mask is None else _to_device(mask, self.device)  # [..., k]
-            return self._reference(x, weights, dev_mask)  # the mask applied, as the reference op does
-        # one token: the active rows are found on the host (no device sync) and sent as indices
-        idx = self.all_rows if mask is None else _to_device(_active_rows(mask), self.device)  # [k_active]
-        if self.kernel is not None:
-            return self._run_kernel(x.reshape(d), weights, idx).reshape(x.shape)
-        rows = tuple(None if w is None else w.index_select(0, idx) for w in weights)  # [k_active, …]
-        return self._reference(x, rows, None)  # type: ignore[arg-type]
-
-    def _reference(self, x: Tensor, weights: Weights, mask: Optional[Tensor]) -> Tensor:
-        act, layer, part, device = self.part.consts[:4]
-        return picompile.ir.ops.sparse_ffn(x, *weights, mask, act, layer, part, device)  # [..., d_model]
-
-    def _run_kernel(self, x: Tensor, weights: Weights, idx: Tensor) -> Tensor:
-        import tvm_ffi
-
-        w_up, b_up, w_gate, w_down_t = weights
-        y = torch.empty(x.shape[-1], dtype=torch.float32, device=self.device)  # [d_model]
-        with tvm_ffi.use_torch_stream(torch.cuda.stream(self.stream)):  # TVM launches on our stream too
-            self.kernel.unchecked(x, w_up, w_gate, b_up, w_down_t, idx, y)
-        return y
 
 
 # -- the per-layer scheduler ------------------------------------------------------------------------
@@ -282,6 +133,27 @@ class HybridFFN:
         return f"HybridFFN(layer={self.layer}, mode={self.mode}, hot={self.hot!r}, cold={self.cold!r})"
 
 
+# a HybridFFN call's arguments by name (it is a Python callable, not a picompile op: its own layout, the one
+# place that knows it): x, the hot part's weights and mask (``_h``), the cold part's (``_c``), the down bias
+HYBRID_ARGS: tuple[str, ...] = tuple(inspect.signature(HybridFFN.__call__).parameters)[1:]
+HYBRID_MASKS: tuple[str, ...] = ("mask_h", "mask_c")
+
+
+def hybrid_args(node: fx.Node) -> dict[str, Any]:
+    """A HybridFFN node's arguments by name (``HYBRID_ARGS``)."""
+    return dict(zip(HYBRID_ARGS, node.args), **node.kwargs)
+
+
+def hybrid_call_args(values: Mapping[str, Any]) -> tuple[Any, ...]:
+    """A HybridFFN node's positional arguments from every one of ``HYBRID_ARGS`` by name."""
+    return tuple(values[name] for name in HYBRID_ARGS)
+
+
+def set_hybrid_args(node: fx.Node, **values: Any) -> None:
+    """Rewrite some arguments of a HybridFFN node by name."""
+    node.args, node.kwargs = hybrid_call_args({**hybrid_args(node), **values}), {}
+
+
 # -- matching ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Triple:
@@ -299,13 +171,15 @@ def _part_problem(node: Any, merge: fx.Node, name: str) -> str | None:
     """Why ``node`` is not the ``name`` ("hot" / "cold") part feeding only ``merge``; None if it is."""
     if not _is_op(node, PART_OPS):
         return f"its {name} input is {getattr(node, 'target', node)}, not a sparse_ffn / tvm_sparse_ffn part"
-    if node.kwargs or len(node.args) <= PART_NAME_ARG:
+    try:
+        part = args_of(node)["part"]
+    except TypeError:
         return f"its {name} part {node.name} has an unexpected argument list"
-    if node.args[PART_NAME_ARG] != name:
-        return f"its {name} input {node.name} is the {node.args[PART_NAME_ARG]!r} part"
+    if part != name:
+        return f"its {name} input {node.name} is the {part!r} part"
     if set(node.users) != {merge}:
         return f"its {name} part {node.name} is also used by {', '.join(u.name for u in node.users if u is not merge)}"
-    weights = node.args[1:PART_MASK_ARG]  # w_up, w_down_t required; b_up, w_gate optional
+    weights = part_weights(node)  # w_up, w_down_t required; b_up, w_gate optional
     if weights[0] is None or any(w is not None and not (isinstance(w, fx.Node) and w.op == "get_attr") for w in weights):
         return f"the weights of its {name} part {node.name} are not graph attributes"
     return None
@@ -314,24 +188,27 @@ def _part_problem(node: Any, merge: fx.Node, name: str) -> str | None:
 def match_triple(merge: fx.Node) -> Triple | str:
     """The (hot, cold, merge) triple a merge node closes, or why it is not one."""
     where = f"merge {merge.name}"
-    if merge.kwargs or len(merge.args) != 4:
+    try:
+        m = args_of(merge)
+    except TypeError:
         return f"{where}: unexpected argument list"
-    hot, cold, _, layer = merge.args
+    hot, cold, layer = m["hot"], m["cold"], m["layer"]
     for node, name in ((hot, "hot"), (cold, "cold")):
         problem = _part_problem(node, merge, name)
         if problem is not None:
             return f"{where} (layer {layer}): {problem}"
     assert isinstance(hot, fx.Node) and isinstance(cold, fx.Node)
-    if hot.args[0] is not cold.args[0]:
+    h, c = args_of(hot), args_of(cold)
+    if h["x"] is not c["x"]:
         return f"{where} (layer {layer}): the hot and cold parts read different inputs"
-    if not hot.args[PART_LAYER_ARG] == cold.args[PART_LAYER_ARG] == layer:
-        return f"{where}: layers disagree (merge {layer}, hot {hot.args[PART_LAYER_ARG]}, cold {cold.args[PART_LAYER_ARG]})"
+    if not h["layer"] == c["layer"] == layer:
+        return f"{where}: layers disagree (merge {layer}, hot {h['layer']}, cold {c['layer']})"
     return Triple(hot, cold, merge, int(layer))  # type: ignore[arg-type]
 
 
 def _shared_hot_weight(triple: Triple) -> str | None:
     """cuda moves the hot weights to the GPU: each must be read by the hot part alone."""
-    for w in triple.hot.args[1:PART_MASK_ARG]:
+    for w in part_weights(triple.hot):
         if isinstance(w, fx.Node) and set(w.users) != {triple.hot}:
             return f"layer {triple.layer}: hot weight {w.target} is also read elsewhere, so it cannot move to the GPU"
     return None
@@ -396,14 +273,14 @@ class Backends:
 
     def _cuda(self, gm: fx.GraphModule, node: fx.Node, part: PartOp) -> Partition:
         assert self.device is not None
-        for w in node.args[1:PART_MASK_ARG]:  # hot weights → GPU, once; the graph reads them there
+        for w in part_weights(node):  # hot weights → GPU, once; the graph reads them there
             if isinstance(w, fx.Node):
                 _set_attr(gm, str(w.target), get_tensor(gm, w).to(self.device))
-        kernel = KERNEL_TABLE.get(part.gpu_kernel) if part.gpu_kernel else None
+        kernel = find_kernel(part.gpu_kernel) if part.gpu_kernel else None
         spec = getattr(kernel, "spec", None)
         if kernel is not None and (spec is None or str(spec.cuda_arch).rstrip("a") != _device_arch(self.device)):
             log.debug("hybrid: layer %s: CUDA kernel %s is for %s, this GPU is %s; using the torch reference",
-                      part.consts[1], part.gpu_kernel, getattr(spec, "cuda_arch", "?"), _device_arch(self.device))
+                      part.consts["layer"], part.gpu_kernel, getattr(spec, "cuda_arch", "?"), _device_arch(self.device))
             kernel = None
         all_rows = torch.arange(part.n_rows, dtype=torch.int32, device=self.device)  # [k]
         return CudaPartition(part, self.stream, self.device, kernel, all_rows)
@@ -412,10 +289,12 @@ class Backends:
 # -- the transform ----------------------------------------------------------------------------------
 def _rewrite(gm: fx.GraphModule, triple: Triple, scheduler: HybridFFN) -> fx.Node:
     g = gm.graph
-    hot, cold = triple.hot.args, triple.cold.args
-    args = (hot[0], *hot[1:PART_MASK_ARG + 1], *cold[1:PART_MASK_ARG + 1], triple.merge.args[2])
+    hot, cold = args_of(triple.hot), args_of(triple.cold)
+    per_part = (*PART_WEIGHTS, "mask")
+    values = {"x": hot["x"], **{f"{n}_h": hot[n] for n in per_part}, **{f"{n}_c": cold[n] for n in per_part},
+              "bias": args_of(triple.merge)["bias"]}
     with g.inserting_before(triple.merge):
-        node = g.call_function(scheduler, args)
+        node = g.call_function(scheduler, hybrid_call_args(values))
     node.meta.update({k: v for k, v in triple.merge.meta.items() if k in ("val", "tensor_meta", "nn_module_stack")})
     triple.merge.replace_all_uses_with(node)
     for old in (triple.merge, triple.hot, triple.cold):

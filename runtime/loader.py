@@ -1,27 +1,59 @@
-"""Load an artifact: verify the manifest, deserialize the graph, bind the weights it names."""
+"""Load an artifact: read its graph, weights and kernels, then run the load pipeline's graph steps.
+
+Reading the files is kept to the small ``read_*`` / ``load_kernels`` functions; what is then done to the
+graph is the named list of ``runtime/load_pipeline.py`` (its steps: ``runtime/load_steps.py``).
+"""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import fx
 
-from picompile.formats.artifact import Manifest
+import picompile.ir.ops  # noqa: F401  (registers the ops the graph calls)
 from picompile.errors import ArtifactError
-from picompile.ir.graph import drop_metadata_asserts, flatten_codegen, placeholders, shared_copy
-from picompile.ir.ops import call_directly  # importing picompile.ir.ops registers the ops the graph calls
+from picompile.formats.artifact import Manifest
+from picompile.ir.graph import placeholders
+from picompile.runtime.load_pipeline import LoadOptions, LoadRun, LoadState, graph_steps
+from picompile.runtime.masks import drop_masks, without_masks  # noqa: F401  (re-exported: the load's mask rewrites)
+
+WEIGHT_PREFIX = "w"  # bound weight i is the buffer f"w{i}"
 
 
+# -- reading the files ------------------------------------------------------------------------------
+def read_exported(root: Path, manifest: Manifest) -> Any:
+    """The manifest's graph file as a torch.export ExportedProgram."""
+    file = root / manifest.graph["file"]
+    try:
+        return torch.export.load(file)
+    except Exception as e:
+        raise ArtifactError(f"cannot read the graph {file}: {type(e).__name__}: {e}") from None
+
+
+def read_weights(root: Path, manifest: Manifest) -> dict[str, torch.Tensor]:
+    """The manifest's weight file's tensors (every one the graph names must be there)."""
+    wfile = root / manifest.weights["file"]
+    try:
+        tensors = load_file(str(wfile))
+    except (SafetensorError, OSError) as e:
+        raise ArtifactError(f"cannot read weights {wfile}: {e}") from None
+    missing = [k for k in manifest.graph["weights"] if k not in tensors]
+    if missing:
+        raise ArtifactError(f"{wfile} lacks {len(missing)} tensors the manifest names, e.g. {missing[:3]}")
+    return tensors
+
+
+# -- the weights' rewrites (load steps bind-weights, align-weights) --------------------------------------
 def bind_weights(gm: fx.GraphModule, n_inputs: int, keys: list[str], tensors: dict[str, torch.Tensor]) -> fx.GraphModule:
     """Turn the weight inputs (after the first ``n_inputs``) into buffers the graph reads directly."""
     phs = placeholders(gm)
     if len(phs) != n_inputs + len(keys):
         raise ArtifactError(f"graph takes {len(phs)} inputs but the manifest names {n_inputs} + {len(keys)} weights")
     for i, (ph, key) in enumerate(zip(phs[n_inputs:], keys)):
-        name = f"w{i}"
+        name = f"{WEIGHT_PREFIX}{i}"
         gm.register_buffer(name, tensors[key])
         with gm.graph.inserting_before(ph):
             attr = gm.graph.get_attr(name)
@@ -32,50 +64,36 @@ def bind_weights(gm: fx.GraphModule, n_inputs: int, keys: list[str], tensors: di
     return gm
 
 
-# op -> position of its neuron mask argument
-MASK_ARGS: dict[str, int] = {"ffn": 8, "sparse_ffn": 5, "tvm_sparse_ffn": 5}
+def align_weights(gm: fx.GraphModule, n_weights: int) -> fx.GraphModule:
+    """The bound weights (``bind_weights``' buffers) replaced by aligned copies: the kernels read weights with
+    aligned vector loads.
 
-
-def mask_positions(node: fx.Node) -> tuple[int, ...]:
-    """Positions of ``node``'s neuron mask arguments (none unless it is an FFN op or a hybrid scheduler)."""
-    from picompile.ir.ops import is_picompile_op
-    from picompile.runtime.hybrid import HYBRID_MASK_ARGS, HybridFFN
-
-    if node.op != "call_function":
-        return ()
-    if isinstance(node.target, HybridFFN):
-        return HYBRID_MASK_ARGS
-    return tuple(pos for op, pos in MASK_ARGS.items() if is_picompile_op(node.target, op) and len(node.args) > pos)
-
-
-def drop_masks(gm: fx.GraphModule) -> fx.GraphModule:
-    """Compute every neuron: the FFN ops lose their masks (predictors become dead code and go).
-
-    With the placement kept, this is the artifact's exact dense reference (same weights, same split).
-    Hybrid-scheduled graphs (``runtime/hybrid.py``) lose the masks of both partitions alike.
+    Every weight is copied, none left on the file's mapping: the weights sit in anonymous memory (huge pages,
+    the small ones packed together) and the mapping is released — an aligned tensor used in place kept all
+    4.4 GB of a 1B fp32 file resident beside the copies, and a weight the page cache reclaims is read back
+    from disk mid-step.
     """
-    for node in gm.graph.nodes:
-        positions = mask_positions(node)
-        if positions:
-            args = list(node.args)
-            for pos in positions:
-                args[pos] = None
-            node.args = tuple(args)
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
+    from picompile.kernels import aligned_copies
+
+    names = [f"{WEIGHT_PREFIX}{i}" for i in range(n_weights)]
+    copies = aligned_copies({name: getattr(gm, name) for name in names})
+    for name, tensor in copies.items():
+        gm.register_buffer(name, tensor)
     return gm
 
 
-def without_masks(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``gm`` sharing its weights whose FFN ops compute every neuron (:func:`drop_masks`), or ``gm``
-    itself when none of its FFN ops has a mask."""
-    if not any(any(node.args[p] is not None for p in mask_positions(node)) for node in gm.graph.nodes):
-        return gm
-    return drop_masks(shared_copy(gm))
+# -- the graph as the runtime runs it ---------------------------------------------------------------
+def load_options(manifest: Manifest, dense: bool = False, hybrid: str = "off", direct: bool = False,
+                 **session: Any) -> LoadOptions:
+    """The options of a load of ``manifest`` (``session``: the session steps' options, see ``LoadOptions``)."""
+    from picompile.targets import Target
+
+    return LoadOptions(dense=dense, hybrid=hybrid, target_has_gpu=Target.from_json(manifest.target).has_gpu,
+                       direct=direct, aligned=bool(manifest.sections.get("kernels")), **session)
 
 
 def load_graph(root: Path, manifest: Manifest, dense: bool = False, hybrid: str = "off",
-               direct: bool = False) -> fx.GraphModule:
+               direct: bool = False, run: Optional[LoadRun] = None) -> fx.GraphModule:
     """The executable decoder-step graph: forward(input_ids, *past) -> (logits, *presents).
 
     ``dense``: drop the predictor masks, so every neuron is computed (see :func:`drop_masks`).
@@ -83,40 +101,20 @@ def load_graph(root: Path, manifest: Manifest, dense: bool = False, hybrid: str 
     "inline", "thread", "cuda": see :func:`picompile.runtime.hybrid.schedule_hybrid`).
     ``direct``: picompile ops called past torch's dispatcher (:func:`picompile.ir.ops.call_directly`) and
     torch.export's metadata asserts dropped — for running, not for exporting or printing the graph.
+    ``run``: the load these steps are part of (its print_after / dump_ir; by default a run of its own).
     """
-    g = manifest.graph
-    try:
-        ep = torch.export.load(root / g["file"])
-    except Exception as e:
-        raise ArtifactError(f"cannot read the graph {root / g['file']}: {type(e).__name__}: {e}") from None
-    wfile = root / manifest.weights["file"]
-    try:
-        tensors = load_file(str(wfile))
-    except (SafetensorError, OSError) as e:
-        raise ArtifactError(f"cannot read weights {wfile}: {e}") from None
-    missing = [k for k in g["weights"] if k not in tensors]
-    if missing:
-        raise ArtifactError(f"{wfile} lacks {len(missing)} tensors the manifest names, e.g. {missing[:3]}")
+    options = load_options(manifest, dense=dense, hybrid=hybrid, direct=direct)
+    names = graph_steps(options)
+    run = run if run is not None else LoadRun(names)
+    ep = read_exported(root, manifest)
+    tensors = read_weights(root, manifest)
     load_kernels(root, manifest.sections.get("kernels") or [])
-    gm = ep.module()
-    gm = flatten_codegen(gm)
-    if manifest.sections.get("kernels"):
-        from picompile.kernels import aligned_copies  # kernels read weights with aligned vector loads
-
-        # every tensor copied, none left on the file's mapping: the weights sit in anonymous memory (huge pages,
-        # the small ones packed together) and the mapping is released — an aligned tensor used in place kept all
-        # 4.4 GB of a 1B fp32 file resident beside the copies, and a weight the page cache reclaims is read back
-        # from disk mid-step
-        tensors = aligned_copies(tensors)
-    gm = bind_weights(gm, 1 + int(g["n_past"]), list(g["weights"]), tensors)
-    if dense:
-        gm = drop_masks(gm)
-    if hybrid != "off":
-        from picompile.runtime.hybrid import schedule_hybrid
-        from picompile.targets import Target
-
-        gm = schedule_hybrid(gm, hybrid, target_has_gpu=Target.from_json(manifest.target).has_gpu)
-    return call_directly(drop_metadata_asserts(gm)) if direct else gm
+    g = manifest.graph
+    state = LoadState(graph=ep.module(), options=options, n_inputs=1 + int(g["n_past"]), weight_keys=list(g["weights"]), tensors=tensors)
+    del ep, tensors  # the state holds them until bind-weights binds them (then the file's mapping can go)
+    run.run(state, names)
+    assert state.graph is not None
+    return state.graph
 
 
 def stale_kernels(entries: list[dict[str, Any]]) -> list[str]:
@@ -129,14 +127,15 @@ def stale_kernels(entries: list[dict[str, Any]]) -> list[str]:
 
 
 def load_kernels(root: Path, entries: list[dict[str, Any]]) -> None:
-    """Load the kernels a manifest lists ("kernels") into picompile.ir.ops.KERNEL_TABLE (TVM runtime only).
+    """Load the kernels a manifest lists ("kernels") into this process's table (``picompile.kernels.table``,
+    where the tvm ops find them; TVM runtime only).
 
     CUDA kernels are loaded only where a CUDA device is present.
     """
     if not entries:
         return
     from picompile.kernels import KERNEL_ABI_VERSION, KernelSpec, load_kernel
-    from picompile.ir.ops import KERNEL_TABLE
+    from picompile.kernels.table import add_kernel, find_kernel
 
     stale = stale_kernels(entries)
     if stale:
@@ -148,9 +147,9 @@ def load_kernels(root: Path, entries: list[dict[str, Any]]) -> None:
         spec = KernelSpec(**entry["spec"])
         if spec.target != "llvm" and not cuda:
             continue
-        if entry["key"] in KERNEL_TABLE:
+        if find_kernel(entry["key"]) is not None:
             continue
         try:
-            KERNEL_TABLE[entry["key"]] = load_kernel(root / entry["file"], spec)
+            add_kernel(entry["key"], load_kernel(root / entry["file"], spec))
         except Exception as e:
             raise ArtifactError(f"cannot load kernel {entry['file']} of {root}: {type(e).__name__}: {e}") from None

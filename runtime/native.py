@@ -11,14 +11,14 @@ why (``native_reason``).
 """
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 
 import torch
 from torch import fx
 
 from picompile.ir.graph import get_tensor
-from picompile.ir.ops import KERNEL_TABLE, _threshold, is_picompile_op
+from picompile.ir.schema import args_of, node_op
+from picompile.kernels.table import find_kernel, threshold_tensor
 
 SOURCE = Path(__file__).with_name("native_ops.cpp")
 _STATE: dict[str, str] = {}  # "error": why the library is unavailable ("" once loaded)
@@ -67,54 +67,57 @@ def _register_fakes() -> None:
 
 def _handle(key: str) -> int | None:
     """The C handle of the loaded CPU kernel ``key``'s one-token function (None: not a loaded CPU kernel)."""
-    kern = KERNEL_TABLE.get(key)
+    kern = find_kernel(key)
     if kern is None or getattr(kern.spec, "is_cuda", True):  # type: ignore[attr-defined]
         return None
     return int(kern.decode_fn.__chandle__())  # type: ignore[attr-defined]
 
 
-def _bound(node: fx.Node, op: object) -> dict[str, object]:
-    """The node's arguments by name (positional and keyword alike, defaults filled in)."""
-    sig = inspect.signature(op._init_fn)  # type: ignore[attr-defined]
-    bound = sig.bind(*node.args, **node.kwargs)
-    bound.apply_defaults()
-    return dict(bound.arguments)
+class _Thresholds:
+    """One float32 [1] buffer per predictor threshold value (as ``threshold_tensor`` keeps), read by get_attr."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.gm = gm
+        self.nodes: dict[float, fx.Node] = {}
+
+    def node(self, value: float) -> fx.Node:
+        if value not in self.nodes:
+            attr = f"native_threshold_{len(self.nodes)}"
+            self.gm.register_buffer(attr, threshold_tensor(value), persistent=False)
+            with self.gm.graph.inserting_before(next(n for n in self.gm.graph.nodes if n.op != "placeholder")):
+                self.nodes[value] = self.gm.graph.get_attr(attr)
+        return self.nodes[value]
+
+
+def _native_call(gm: fx.GraphModule, node: fx.Node, thresholds: _Thresholds) -> tuple[object, tuple[object, ...]] | None:
+    """The picompile_native (target, args) a kernel call node becomes, or None (not a loaded CPU kernel call)."""
+    native = torch.ops.picompile_native
+    op = node_op(node)
+    if op not in ("tvm_linear", "tvm_sparse_ffn", "tvm_predict"):
+        return None
+    a = args_of(node)
+    if op == "tvm_linear":
+        fn = _handle(str(a["kernel"]))
+        return None if fn is None else (native.gemv.default, (a["x"], a["w"], a["b"], fn))
+    if op == "tvm_sparse_ffn":
+        fn = _handle(str(a["kernel"]))
+        if fn is None or get_tensor(gm, a["w_up"]).shape[0] == 0:  # an empty part stays (zeros, no launch)
+            return None
+        return native.sparse_ffn.default, (a["x"], a["w_up"], a["b_up"], a["w_gate"], a["w_down_t"], a["mask"], fn)
+    fn = _handle(str(a["kernel1"]))
+    if fn is None or a["kernel2"]:  # two GEMVs (older artifacts): the Python op
+        return None
+    thr = thresholds.node(float(a["threshold"]))
+    return native.predict.default, (a["x"], a["fc1"], a["fc2"], a["offset"], thr, fn)
 
 
 def to_native(gm: fx.GraphModule) -> int:
     """Rewrite ``gm`` (a one-token decode graph whose picompile ops are their torch overloads) in place: every
     CPU kernel call becomes its ``picompile_native`` op. Returns how many nodes were rewritten."""
-    from picompile.ir import ops
-
-    native = torch.ops.picompile_native
     count = 0
-    thresholds: dict[float, fx.Node] = {}  # one float32 [1] buffer per threshold value, as ops._threshold keeps
+    thresholds = _Thresholds(gm)
     for node in list(gm.graph.nodes):
-        if node.op != "call_function":
-            continue
-        new: tuple[object, tuple[object, ...]] | None = None
-        if is_picompile_op(node.target, "tvm_linear"):
-            a = _bound(node, ops.tvm_linear)
-            fn = _handle(str(a["kernel"]))
-            if fn is not None:
-                new = (native.gemv.default, (a["x"], a["w"], a["b"], fn))
-        elif is_picompile_op(node.target, "tvm_sparse_ffn"):
-            a = _bound(node, ops.tvm_sparse_ffn)
-            fn = _handle(str(a["kernel"]))
-            if fn is not None and get_tensor(gm, a["w_up"]).shape[0] > 0:  # type: ignore[arg-type]
-                new = (native.sparse_ffn.default, (a["x"], a["w_up"], a["b_up"], a["w_gate"], a["w_down_t"],
-                                                   a["mask"], fn))
-        elif is_picompile_op(node.target, "tvm_predict"):
-            a = _bound(node, ops.tvm_predict)
-            fn = _handle(str(a["kernel1"]))
-            if fn is not None and not a["kernel2"]:  # one kernel for the whole predictor
-                value = float(a["threshold"])  # type: ignore[arg-type]
-                if value not in thresholds:
-                    attr = f"native_threshold_{len(thresholds)}"
-                    gm.register_buffer(attr, _threshold(value), persistent=False)
-                    with gm.graph.inserting_before(next(n for n in gm.graph.nodes if n.op != "placeholder")):
-                        thresholds[value] = gm.graph.get_attr(attr)
-                new = (native.predict.default, (a["x"], a["fc1"], a["fc2"], a["offset"], thresholds[value], fn))
+        new = _native_call(gm, node, thresholds)
         if new is None:
             continue
         node.target, node.args, node.kwargs = new[0], new[1], {}

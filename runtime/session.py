@@ -7,12 +7,11 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, fx
 
-from picompile.formats.artifact import Manifest
 from picompile.errors import InputError
+from picompile.formats.artifact import Manifest
 from picompile.runtime.compute_dtype import resolve as resolve_compute_dtype
-from picompile.runtime.compute_dtype import with_compute_dtype
-from picompile.runtime.kv_cache import ArenaPatternError, KVArenas, arena_step
-from picompile.runtime.loader import without_masks
+from picompile.runtime.kv_cache import KVArenas
+from picompile.runtime.load_pipeline import LoadOptions, LoadRun, LoadState, session_steps
 from picompile.runtime.threads import torch_weight_reads, with_decode_threads
 
 
@@ -30,7 +29,7 @@ class Session:
 
     def __init__(self, root: Path, manifest: Manifest, graph: fx.GraphModule, tokenizer: Any | None, *,
                  compile: bool = False, kv_in_place: bool = True, dense_prefill: bool = True,
-                 prefill_dtype: str | None = None) -> None:
+                 prefill_dtype: str | None = None, load_run: LoadRun | None = None) -> None:
         self.root = root
         self.manifest = manifest
         self.graph = graph  # the graph as loaded (inspect it, interpret it): functional, past in, presents out
@@ -44,41 +43,45 @@ class Session:
         eos = tokenizer.eos_id if tokenizer is not None and tokenizer.eos_id is not None else model["config"].get("eos_token_id")
         self.eos_id: int | None = eos[0] if isinstance(eos, list) else eos
         self.last_logits: Tensor | None = None  # [n_generated, vocab]: what each generated token was chosen from
-        # prefill (several tokens) computes every neuron: dense GEMMs over the prompt need no masks, and the
-        # predictors would only add their cost (decode, one token, runs the masks)
-        prefill = without_masks(graph) if dense_prefill else graph
-        self.dense_prefill = prefill is not graph
-        compute = resolve_compute_dtype(prefill_dtype)  # bfloat16: prefill's GEMMs on AMX, on weight copies
-        if compute is not None:
-            prefill = with_compute_dtype(prefill, compute)
+        resolve_compute_dtype(prefill_dtype)  # a bad dtype, or no fast path on this CPU: fails before any step
         self.prefill_dtype = prefill_dtype
-        self.kv: KVArenas | None = None  # the in-place KV cache (None: every step concatenates the past)
-        self.kv_reason = "kv_in_place=False"
-        if kv_in_place:
-            try:
-                self.kv = arena_step(graph, self.n_past, self.max_seq_len)
-                self.kv_reason = ""
-            except ArenaPatternError as e:
-                self.kv_reason = str(e)
-        if self.kv is not None:  # both forms write the same buffers
-            decode_run = self.kv.graph
-            prefill_run = decode_run if prefill is graph else arena_step(prefill, self.n_past, self.max_seq_len,
-                                                                          self.kv.arenas).graph
-        else:
-            decode_run, prefill_run = graph, prefill
         self._compiled = compile
+        state = self._run_steps(LoadOptions(dense_prefill=dense_prefill, prefill_dtype=prefill_dtype,
+                                            kv_in_place=kv_in_place, compile=compile), load_run)
+        notes = state.notes
+        self.dense_prefill: bool = bool(notes.get("dense_prefill", False))  # prefill runs a mask-free copy
+        self.kv: KVArenas | None = notes.get("kv")  # the in-place KV cache (None: every step concatenates the past)
+        self.kv_reason: str = notes.get("kv_reason", "kv_in_place=False")
+        assert state.decode is not None and state.prefill is not None
+        decode_run, prefill_run = state.decode, state.prefill
         if compile:
             from picompile.runtime.compile import compile_step
 
             self.step_fn = compile_step(decode_run, prefill_run)  # dispatches on the token count itself
+            self.step_fn.native_calls = notes.get("native_calls", 0)  # type: ignore[attr-defined]  # kernel calls made C++ ops
+            self.step_fn.native_reason = notes.get("native_reason", "native=False")  # type: ignore[attr-defined]
+            self.step_fn.attention_rewrites = notes.get("attention_rewrites", 0)  # type: ignore[attr-defined]
         else:
             self.step_fn = lambda ids, *past: (prefill_run if ids.shape[-1] > 1 else decode_run)(ids, *past)
-        # decode on one torch thread where TVM kernels read every weight (runtime/threads.py)
-        self.torch_weight_reads = torch_weight_reads(decode_run)  # decode nodes where torch reads a weight matrix
+        # decode on one torch thread where TVM kernels read every weight (runtime/threads.py), judged on the
+        # eager decode form (the compiler's copy calls the same kernels through C++ ops)
+        self.torch_weight_reads = torch_weight_reads(self.kv.graph if self.kv is not None else graph)
         self.decode_torch_threads: int | None = None if self.torch_weight_reads else 1
         self.step_fn = with_decode_threads(self.step_fn, self.decode_torch_threads)
         self._kv_version = 0  # bumped by every step on the arenas: what they hold changes
         self._kv_handed: tuple[tuple[Tensor, ...], int] | None = None  # step()'s last presents, at that version
+
+    def _run_steps(self, options: LoadOptions, run: LoadRun | None) -> LoadState:
+        """The session steps (``load_pipeline.session_steps``) on this session's graph: its prefill and decode
+        forms. ``run``: the load they are part of (``picompile.load``), else a run of their own."""
+        names = session_steps(options)
+        run = run if run is not None else LoadRun(names)
+        state = LoadState(graph=self.graph, prefill=self.graph, decode=self.graph, options=options,
+                          n_past=self.n_past, max_seq_len=self.max_seq_len)
+        run.run(state, names)
+        self.load_steps: list[str] = list(run.steps)  # every step of the load that made this session, in order
+        self.load_seconds: dict[str, float] = dict(run.seconds)  # per step
+        return state
 
     @property
     def compiled(self) -> bool:

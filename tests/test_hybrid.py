@@ -195,7 +195,8 @@ def test_mode_errors(split_artifact: Path, off_session: Session) -> None:
 # -- the scheduler on its own -------------------------------------------------------------------------
 def _part(k: int, d: int, name: str, gen: torch.Generator) -> tuple[PartOp, tuple[torch.Tensor, ...]]:
     weights = (torch.randn(k, d, generator=gen), torch.randn(k, generator=gen), None, torch.randn(k, d, generator=gen))
-    return PartOp(torch.ops.picompile.sparse_ffn.default, ("relu", 0, name, "gpu" if name == "hot" else "cpu"), k), weights
+    consts = dict(act="relu", layer=0, part=name, device="gpu" if name == "hot" else "cpu")
+    return PartOp(torch.ops.picompile.sparse_ffn.default, consts, k), weights
 
 
 def test_scheduler_unit_thread_and_errors() -> None:

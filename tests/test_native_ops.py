@@ -9,9 +9,10 @@ import pytest
 import torch
 
 import picompile
-from picompile.ir import ops
+from picompile.ir import ops, schema
 from picompile.ir.graph import get_tensor
 from picompile.ir.ops import is_picompile_op
+from picompile.kernels.table import threshold_tensor
 from picompile.runtime import native
 
 LOWERED = ("tvm_linear", "tvm_sparse_ffn", "tvm_predict")
@@ -53,12 +54,12 @@ def test_each_op_equals_its_python_op(session: picompile.Session) -> None:
     assert not nat.sparse_ffn(x, x_up, b_up, w_gate, w_down_t, none_active, fn).any()
 
     pred = _nodes(session, "tvm_predict")[0]
-    a = native._bound(pred, ops.tvm_predict)
+    a = schema.args_of(pred)
     fc1, fc2 = get_tensor(gm, a["fc1"]), get_tensor(gm, a["fc2"])
     offset = get_tensor(gm, a["offset"]) if a["offset"] is not None else None
     x = torch.randn(1, 1, fc1.shape[1], generator=g)
     want = ops.tvm_predict(x, fc1, fc2, a["threshold"], a["layer"], a["kernel1"], a["kernel2"], a["act"], offset)
-    got = nat.predict(x, fc1, fc2, offset, ops._threshold(a["threshold"]), native._handle(a["kernel1"]))
+    got = nat.predict(x, fc1, fc2, offset, threshold_tensor(a["threshold"]), native._handle(a["kernel1"]))
     assert got.dtype == torch.bool and torch.equal(got, want) and 0 < int(got.sum()) < got.numel()
 
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import picompile
-from picompile.ir.ops import KERNEL_TABLE, is_picompile_op
+from picompile.ir.ops import is_picompile_op
+from picompile.kernels.table import KERNEL_TABLE
 
 REPO = Path(__file__).resolve().parents[1]
 

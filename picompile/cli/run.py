@@ -3,11 +3,42 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
-from picompile.cli.common import console
+from picompile.cli.common import console, split_names
 from picompile.errors import PicompileError
+
+
+def add_load_arguments(p: argparse.ArgumentParser) -> None:
+    """The load's options (``picompile.load``): how the runtime rewrites the graph, and how to watch it."""
+    p.add_argument("--hybrid", choices=["auto", "inline", "thread", "cuda", "off"], default="auto",
+                   help="how each FFN's hot (GPU) and cold (CPU) parts run: auto = cuda with a GPU, else inline")
+    p.add_argument("--compile", action="store_true",
+                   help="fuse the glue between the kernels with torch.compile (faster decode; the first call "
+                        "compiles, about a minute for a 1B model, seconds once cached; needs a C++ compiler)")
+    p.add_argument("--prefill-dtype", choices=["bfloat16"],
+                   help="compute the prompt's GEMMs in bfloat16 on copies of the weights (CPUs with AMX or "
+                        "AVX512-BF16: faster prefill, coarser logits, more memory); decode is unchanged")
+    p.add_argument("--print-after", action="append", metavar="STEP",
+                   help="print the graph after load step STEP (repeatable, comma-separated; 'all')")
+    p.add_argument("--dump-ir", metavar="DIR", help="write the graph after every load step to DIR/NNN_STEP.txt")
+
+
+def load_kwargs(args: argparse.Namespace, to_stderr: bool = False) -> dict[str, Any]:
+    """``picompile.load``'s keyword arguments from ``add_load_arguments``' options (graphs printed to stdout,
+    or stderr where stdout carries JSON)."""
+    out = sys.stderr if to_stderr else sys.stdout
+
+    def emit(text: str) -> None:
+        out.write(text + "\n")
+        out.flush()
+
+    return dict(hybrid=args.hybrid, compile=args.compile, prefill_dtype=args.prefill_dtype,
+                print_after=split_names(args.print_after), dump_ir=Path(args.dump_ir) if args.dump_ir else None,
+                emit=emit)
 
 
 def add_parser(sub: Any) -> None:
@@ -21,22 +52,14 @@ def add_parser(sub: Any) -> None:
     r.add_argument("--seed", type=int)
     r.add_argument("--json", action="store_true")
     r.add_argument("--no-verify", action="store_true", help="skip the checksum check")
-    r.add_argument("--hybrid", choices=["auto", "inline", "thread", "cuda", "off"], default="auto",
-                   help="how each FFN's hot (GPU) and cold (CPU) parts run: auto = cuda with a GPU, else inline")
-    r.add_argument("--compile", action="store_true",
-                   help="fuse the glue between the kernels with torch.compile (faster decode; the first call "
-                        "compiles, about a minute for a 1B model, seconds once cached; needs a C++ compiler)")
-    r.add_argument("--prefill-dtype", choices=["bfloat16"],
-                   help="compute the prompt's GEMMs in bfloat16 on copies of the weights (CPUs with AMX or "
-                        "AVX512-BF16: faster prefill, coarser logits, more memory); decode is unchanged")
+    add_load_arguments(r)
     r.set_defaults(fn=cmd)
 
 
 def cmd(args: argparse.Namespace) -> int:
     import picompile
 
-    session = picompile.load(args.artifact, verify=not args.no_verify, hybrid=args.hybrid, compile=args.compile,
-                             prefill_dtype=args.prefill_dtype)
+    session = picompile.load(args.artifact, verify=not args.no_verify, **load_kwargs(args, to_stderr=args.json))
     if args.ids is not None:
         try:
             prompt: Any = [int(t) for t in args.ids.replace(",", " ").split()]
@@ -53,7 +76,7 @@ def cmd(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - start
     if args.json:
         print(json.dumps({"prompt": prompt, "ids": new, "text": session.decode(new) if session.tokenizer else None,
-                          "seconds": elapsed, "compiled": session.compiled}))  # seconds include a compilation
+                          "seconds": elapsed, "compiled": session.compiled, "load_steps": session.load_steps}))  # seconds include a compilation
         return 0
     if session.tokenizer is not None:
         print(args.prompt + session.decode(new) if isinstance(prompt, str) else session.decode(prompt + new))

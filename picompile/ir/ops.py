@@ -10,6 +10,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from picompile.kernels.table import find_kernel, threshold_tensor
+
 ACTIVATIONS: dict[str, object] = {
     "relu": torch.relu,
     "silu": torch.nn.functional.silu,
@@ -214,24 +216,13 @@ def is_picompile_op(target: object, name: str | None = None) -> bool:
     return ns == "picompile" and (name is None or op.split(".")[0] == name)
 
 
-# Loaded TVM kernels by key; the runtime fills this from the artifact's manifest ("kernels").
-KERNEL_TABLE: dict[str, object] = {}
 _ALL_ROWS: dict[int, Tensor] = {}
 
 
-_THRESHOLDS: dict[float, Tensor] = {}
-
-
-def _threshold(value: float) -> Tensor:
-    """A predictor threshold as the float32 [1] tensor its kernel reads (one per value, made once)."""
-    if value not in _THRESHOLDS:
-        _THRESHOLDS[value] = torch.tensor([value], dtype=torch.float32)
-    return _THRESHOLDS[value]
-
-
 def _loaded(key: str, what: str) -> object:
-    """The loaded TVM kernel ``key`` from ``KERNEL_TABLE``, or a RuntimeError naming what needed it."""
-    kern = KERNEL_TABLE.get(key)
+    """The loaded TVM kernel ``key`` (``picompile.kernels.table``, filled by the runtime's kernel loader), or a
+    RuntimeError naming what needed it."""
+    kern = find_kernel(key)
     if kern is None:
         raise RuntimeError(f"TVM kernel {key} ({what}) is not loaded")
     return kern
@@ -255,7 +246,7 @@ def tvm_sparse_ffn(
     layer: int,
     part: str,
     device: str,
-    kernel: str,  # key of the CPU (llvm) kernel in KERNEL_TABLE; "" = no rows in this part
+    kernel: str,  # key of the CPU (llvm) kernel (picompile.kernels.table); "" = no rows in this part
     gpu_kernel: str,  # key of the CUDA kernel for the target's GPU, "" if none
 ) -> Tensor:
     """sparse_ffn lowered to a TVM kernel: one token runs the kernel over the active rows; several
@@ -322,7 +313,7 @@ def tvm_linear(
     x: Tensor,  # [..., d_in] float32
     w: Tensor,  # [d_out, d_in] in the artifact's weight dtype (float16 or float32), 64-byte aligned
     b: Optional[Tensor],  # [d_out] float32
-    kernel: str,  # key of the llvm GEMV kernel (kind "up", act "none") in KERNEL_TABLE
+    kernel: str,  # key of the llvm GEMV kernel (kind "up", act "none"; picompile.kernels.table)
 ) -> Tensor:
     """``linear`` lowered: one token runs the TVM GEMV (fp16 weights widened in registers, fp32 accumulation);
     several tokens (prefill) take torch's GEMM in the weights' dtype (``linear``)."""
@@ -360,7 +351,7 @@ def tvm_predict(
         from picompile.kernels import as_aligned
 
         mask = torch.empty(fc2.shape[0], dtype=torch.int8)  # [n_neurons], written 0/1
-        kern.unchecked(as_aligned(x.reshape(-1)), fc1, fc2, offset, _threshold(threshold), mask)  # type: ignore[attr-defined]
+        kern.unchecked(as_aligned(x.reshape(-1)), fc1, fc2, offset, threshold_tensor(threshold), mask)  # type: ignore[attr-defined]
         return mask.view(torch.bool).reshape(*x.shape[:-1], fc2.shape[0])
     h = _gemv(kernel1, x, fc1, f"layer {layer} predictor fc1")  # [rank]
     scores = _gemv(kernel2, h, fc2, f"layer {layer} predictor fc2")  # [n_neurons]

@@ -81,8 +81,11 @@ def plot_profiles(profiles: list[LayerProfile], path: Path, title: str) -> None:
 
 def inspect_artifact(root: Path, as_json: bool = False, graph: bool = False, verify: bool = True,
                      profile: bool = False, plot: Path | None = None, export_onnx: Path | None = None,
-                     dot: Path | None = None) -> int:
+                     dot: Path | None = None, load: dict[str, Any] | None = None) -> int:
+    """Summarise the artifact at ``root``. ``load``: ``picompile.load``'s keyword arguments (print_after,
+    dump_ir, emit, hybrid, …) to load it as the runtime does and show its load steps' graphs."""
     m = read_manifest(root, verify=verify)
+    loaded = load_steps_of(root, load) if load is not None else None  # a bad step name fails before any output
     profiles = load_profiles(root, m) if profile or plot else []
     if plot is not None:
         plot_profiles(profiles, plot, f"{m.model['architecture']} from {Path(m.model['source']).name}: "
@@ -98,6 +101,9 @@ def inspect_artifact(root: Path, as_json: bool = False, graph: bool = False, ver
         out = summary_json(root, m)
         if profile:
             out["profile_summary"] = summarize(profiles)
+        if loaded is not None:
+            out["load_steps"] = loaded[0]
+            _emit_all(load, loaded[1])
         print(json.dumps(out, indent=2))
         return 0
     from rich.console import Console
@@ -146,12 +152,32 @@ def inspect_artifact(root: Path, as_json: bool = False, graph: bool = False, ver
     for path in (export_onnx, dot):
         if path is not None:
             console.print(f"wrote {path}")
-    if graph:
+    if loaded is not None:  # the load's own prints (and dumps) show the graph after its steps
+        console.print(f"load     {' → '.join(loaded[0])}")
+        _emit_all(load, loaded[1])
+    elif graph:
         from picompile.ir.graph import format_graph
         from picompile.runtime.loader import load_graph
 
         print(format_graph(load_graph(root, m)))
     return 0
+
+
+def load_steps_of(root: Path, load: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """Load ``root`` as the runtime does, with ``load`` (``picompile.load``'s keyword arguments: print_after,
+    dump_ir, hybrid, …): the load's steps, and the graph texts its print_after asked for (held back, so that
+    they follow the summary)."""
+    from picompile.runtime import load as load_artifact
+
+    texts: list[str] = []
+    session = load_artifact(root, verify=False, **{**load, "emit": texts.append})
+    return session.load_steps, texts
+
+
+def _emit_all(load: dict[str, Any] | None, texts: list[str]) -> None:
+    emit = (load or {}).get("emit") or print
+    for text in texts:
+        emit(text)
 
 
 def _fmt(v: Any) -> str:
