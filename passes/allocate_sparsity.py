@@ -13,9 +13,10 @@ from torch import fx
 
 from picompile.context import BuildContext
 from picompile.errors import PassError
-from picompile.ir.ops import is_picompile_op
 from picompile.formats.profile import PROFILE_FILE, update_counts
+from picompile.ir.ops import is_picompile_op
 from picompile.ir.patterns import Decider, decider_of, ffn_nodes
+from picompile.ir.schema import bind, call_args
 from picompile.passes.registry import register_pass
 from picompile.sparsity.profile_stats import LayerProfile
 
@@ -48,10 +49,12 @@ class _Thresholded(fx.Interpreter):
         self.thresholds = thresholds
 
     def call_function(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if is_picompile_op(target, "ffn") and self.thresholds.get(int(args[7]), 0.0) > 0.0:
-            layer = int(args[7])
-            mask = self.deciders[layer].score(args[0]) > self.thresholds[layer]
-            args = (*args[:8], mask)
+        if is_picompile_op(target, "ffn"):
+            call = bind("ffn", args, kwargs)
+            layer = int(call["layer"])
+            if self.thresholds.get(layer, 0.0) > 0.0:
+                call["mask"] = self.deciders[layer].score(call["x"]) > self.thresholds[layer]  # [..., n_neurons]
+                args, kwargs = call_args("ffn", call), {}
         return super().call_function(target, args, kwargs)
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-import picompile.ir.ops  # noqa: F401  (registers picompile:: ops)
 from picompile.context import BuildContext
 from picompile.errors import PassError
 from picompile.ir.graph import drop_unused_weights, get_tensor
