@@ -37,7 +37,8 @@ Per row (all schedules), three things keep a core streaming at memory speed (fp1
   prefetchers cannot guess; at a row boundary they also stop at the 4 KiB page): the next row's
   lines are in flight while this row is consumed.
 
-The target names the host CPU (``mcpu``): plain ``llvm`` would emit SSE-only code.
+The target names the host CPU (``mcpu``): plain ``llvm`` would emit SSE-only code. The prefetches and
+the inactive-row guard are TIR rewrites after the schedule primitives (``cpu_rewrite.py``).
 """
 from __future__ import annotations
 

@@ -45,7 +45,8 @@ def test_convert_float16(key: tuple[str, str], checkpoints: dict, tmp_path: Path
             fp16 += 1
         elif is_picompile_op(node.target, "sparse_ffn") or is_picompile_op(node.target, "predict"):
             a = args_of(node)
-            weights = ("fc1", "fc2") if is_picompile_op(node.target, "predict") else ("w_up", "b_up", "w_gate", "w_down_t")
+            predict = is_picompile_op(node.target, "predict")
+            weights = ("fc1", "fc2") if predict else ("w_up", "b_up", "w_gate", "w_down_t")
             for w in (a[name] for name in weights):
                 if isinstance(w, torch.fx.Node) and w.op == "get_attr":
                     assert get_tensor(gm, w).dtype == torch.float16, node.format_node()
@@ -108,7 +109,8 @@ def test_float16_artifact(predictor: str, checkpoints: dict, tmp_path: Path) -> 
     assert ("up", "none", "float16") in kinds and ("ffn_gated", "relu", "float16") in kinds
     if predictor == "trained":
         preds = [n for n in session.graph.graph.nodes if n.op == "call_function" and is_picompile_op(n.target, "tvm_predict")]
-        assert len(preds) == 2 and all(arg(n, "act") == "none" and arg(n, "offset") is not None for n in preds)  # linear, offset
+        # linear predictors (act "none"), with an offset
+        assert len(preds) == 2 and all(arg(n, "act") == "none" and arg(n, "offset") is not None for n in preds)
         # one kernel per predictor (kind "predict": fc1, fc2, offset and the threshold test in one call)
         assert all(arg(n, "kernel2") == "" and arg(n, "kernel1").startswith("pi_predict_") for n in preds)
         assert ("predict", "none", "float16") in kinds
