@@ -37,17 +37,18 @@ Per row (all schedules), three things keep a core streaming at memory speed (fp1
   prefetchers cannot guess; at a row boundary they also stop at the 4 KiB page): the next row's
   lines are in flight while this row is consumed.
 
-The target names the host CPU (``mcpu``): plain ``llvm`` would emit SSE-only code.
+The target names the host CPU (``mcpu``): plain ``llvm`` would emit SSE-only code. The prefetches and
+the inactive-row guard are TIR rewrites after the schedule primitives (``cpu_rewrite.py``).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import tvm
 from tvm import s_tir, tirx
 
 from .compute import KernelDesc
+from .cpu_rewrite import Prefetch, add_prefetch, guard_inactive_rows
 from .spec import KernelSpec, skips_inactive
 
 
@@ -101,8 +102,8 @@ def host_target() -> tvm.target.Target:
     return tvm.target.Target({"kind": "llvm", "mcpu": cpu, "opt-level": 3})
 
 
-_LINE_BYTES = 64  # cache line
-_PREFETCH_LOCALITY = 2  # llvm.prefetch locality 2 = prefetcht1 (into L2)
+def _loop_var(sch: s_tir.Schedule, loop: s_tir.LoopRV) -> tirx.Var:
+    return sch.get(loop).loop_var
 
 
 def _tree_levels(lanes: int) -> list[int]:
@@ -140,90 +141,9 @@ def _place_tree_levels(sch: s_tir.Schedule, rfs: list[s_tir.SBlockRV], anchor: s
         sch.set_scope(rf, 0, "global")
 
 
-def _loop_var(sch: s_tir.Schedule, loop: s_tir.LoopRV) -> tirx.Var:
-    return sch.get(loop).loop_var
-
-
-def _prefetch(w, row: tirx.PrimExpr, col: tirx.PrimExpr, n_elems: int) -> list[tirx.Stmt]:
-    """Prefetch statements for the cache lines of ``w[row, col : col + n_elems]`` (row start is 64-byte
-    aligned when ``d_model * itemsize`` is a multiple of 64; otherwise a line may be fetched twice)."""
-    step = max(1, _LINE_BYTES // (tvm.DataType(w.dtype).bits // 8))
-    out = []
-    for off in range(0, n_elems, step):
-        addr = tirx.address_of(tirx.BufferLoad(w, [row, col + off]))
-        call = tirx.call_llvm_intrin("void", "llvm.prefetch.p0", addr, 0, _PREFETCH_LOCALITY, 1)
-        out.append(tirx.Evaluate(call))
-    return out
-
-
-def _seq(stmts: list[tirx.Stmt]) -> tirx.Stmt:
-    """A SeqStmt, or the statement itself when there is one (TIR rejects a SeqStmt of length 1)."""
-    return stmts[0] if len(stmts) == 1 else tirx.SeqStmt(stmts)
-
-
-def _rewrite_loops(func: tirx.PrimFunc, rewrites: dict[tirx.Var, Callable[[tirx.Stmt], tirx.Stmt]]) -> tirx.PrimFunc:
-    """Return ``func`` with the body of the loop over each ``v`` replaced by ``rewrites[v](body)``.
-
-    (TVM 0.27 exposes no TIR mutator to Python, so the path to each loop is rebuilt by hand; the
-    scheduled functions only contain SBlockRealize / SBlock / For / SeqStmt / IfThenElse on those paths.)"""
-    found: set = set()
-
-    def rw(stmt: tirx.Stmt) -> tirx.Stmt:
-        if isinstance(stmt, tirx.For):
-            body = rw(stmt.body)
-            for var, fn in rewrites.items():
-                if stmt.loop_var.same_as(var):
-                    body = fn(body)
-                    found.add(var)
-            if body.same_as(stmt.body):
-                return stmt
-            return tirx.For(stmt.loop_var, stmt.min, stmt.extent, stmt.kind, body, stmt.thread_binding,
-                            stmt.annotations, stmt.step)
-        if isinstance(stmt, tirx.SeqStmt):
-            seq = [rw(s) for s in stmt.seq]
-            if all(a.same_as(b) for a, b in zip(seq, stmt.seq)):
-                return stmt
-            return tirx.SeqStmt(seq)
-        if isinstance(stmt, tirx.IfThenElse):
-            then = rw(stmt.then_case)
-            if then.same_as(stmt.then_case):
-                return stmt
-            return tirx.IfThenElse(stmt.condition, then, stmt.else_case)
-        if isinstance(stmt, s_tir.SBlockRealize):
-            block = rw(stmt.block)
-            if block.same_as(stmt.block):
-                return stmt
-            return s_tir.SBlockRealize(stmt.iter_values, stmt.predicate, block)
-        if isinstance(stmt, s_tir.SBlock):
-            body = rw(stmt.body)
-            if body.same_as(stmt.body):
-                return stmt
-            return s_tir.SBlock(stmt.iter_vars, stmt.reads, stmt.writes, stmt.name_hint, body, stmt.init,
-                                stmt.alloc_buffers, stmt.match_buffers, stmt.annotations)
-        return stmt
-
-    body = rw(func.body)
-    missing = [v for v in rewrites if v not in found]
-    if missing:
-        raise RuntimeError(f"loops {missing} not found in the scheduled function")
-    return func.with_body(body)
-
-
-def _prepend_to_loops(func: tirx.PrimFunc, inserts: dict[tirx.Var, list[tirx.Stmt]]) -> tirx.PrimFunc:
-    """Return ``func`` with ``inserts[v]`` placed at the start of the body of the loop over ``v``."""
-    def prepend(stmts: list[tirx.Stmt]) -> Callable[[tirx.Stmt], tirx.Stmt]:
-        return lambda body: _seq([*stmts, body])
-
-    return _rewrite_loops(func, {var: prepend(stmts) for var, stmts in inserts.items()})
-
-
-def _buffers(func: tirx.PrimFunc) -> dict:
-    return {buf.name: buf for buf in func.params}  # TVM 0.27: the params are the buffers
-
-
-def _schedule_up(sch: s_tir.Schedule, spec: KernelSpec, p: CpuScheduleParams, batched: bool) -> list:
+def _schedule_up(sch: s_tir.Schedule, spec: KernelSpec, p: CpuScheduleParams, batched: bool) -> list[Prefetch]:
     """Parallel over rows j; per row (and token) a vectorised rfactor-ed dot product, then ``h``.
-    Returns the prefetch plan of the weight streams (see ``_add_prefetch``)."""
+    Returns the prefetch plan of the weight streams (see ``cpu_rewrite.add_prefetch``)."""
     names = ("gate", "up") if spec.gated else ("up",)
     trees: dict[str, list[s_tir.SBlockRV]] = {}
     # rfactor first, at the root (rfactor of a block already moved by compute_at hits an InternalError)
@@ -264,7 +184,7 @@ def _schedule_up(sch: s_tir.Schedule, spec: KernelSpec, p: CpuScheduleParams, ba
                 sch.decompose_reduction(rf, below[0])
         below = sch.get_loops(trees[name][0])[n_anchor:]
         if len(below) == 2:
-            plan.append((f"w_{name}", _loop_var(sch, j_loop), None, _loop_var(sch, below[0]), p.up_lanes, 1, None))
+            plan.append(Prefetch(f"w_{name}", _loop_var(sch, j_loop), None, _loop_var(sch, below[0]), p.up_lanes, 1))
     return plan
 
 
@@ -286,36 +206,33 @@ def _schedule_down(sch: s_tir.Schedule, spec: KernelSpec, p: CpuScheduleParams, 
 
 
 def _skips_inactive(spec: KernelSpec, p: CpuScheduleParams, batched: bool) -> bool:
-    """Whether the fused one-token kernel skips the rest of a row whose ReLU output is 0 (see ``_skip_inactive``)."""
+    """Whether the fused one-token kernel skips the rest of a row whose ReLU output is 0
+    (see ``cpu_rewrite.guard_inactive_rows``)."""
     return p.skip_inactive and not batched and skips_inactive(spec.kind, spec.act)
 
 
-def _schedule_partitioned(
-    sch: s_tir.Schedule, spec: KernelSpec, p: CpuScheduleParams, batched: bool
-) -> tuple[list, tuple[tirx.Var, tirx.Var] | None]:
-    """Fused FFN of ``describe_partitioned``: parallel over the parts; in a part, for each row: the
-    (vectorised, rfactor-ed) dot product(s) for every token, ``h``, then the row's axpy into the
-    part's ``y_part`` (so ``h`` never leaves registers/L1); finally ``y = sum_p y_part[p]``."""
-    names = ("gate", "up") if spec.gated else ("up",)
-    n_tok = 1 if batched else 0
-    has_r_out = spec.d_model // p.up_lanes > 1  # compute_at drops unit loops
-    rfs: dict[str, s_tir.SBlockRV] = {}
+def _rfactor_part_dots(sch: s_tir.Schedule, names: tuple[str, ...], lanes: int,
+                       batched: bool) -> dict[str, list[s_tir.SBlockRV]]:
+    """rfactor each dot product of ``describe_partitioned`` into its lane-sum tree (at the root, before any
+    compute_at: see _schedule_up), block iters ordered so that compute_at puts the lanes innermost."""
+    nsp = 3 + (1 if batched else 0)  # spatial iters p, jj, t? after the lane
     trees: dict[str, list[s_tir.SBlockRV]] = {}
-    if p.up_lanes > 1:  # rfactor at the root, before any compute_at (see _schedule_up)
-        for name in names:
-            tree = _rfactor_tree(sch, name, p.up_lanes)
-            rf = tree[0]
-            # block iters are [lane, p, jj, t?, r_out] / [lane, p, jj, t?]; compute_at creates loops in
-            # iter order, so put the lane last: loops become [t?, r_out, lane] / [t?, lane]; likewise
-            # the tree levels: iters [lane, lo, p, jj, t?] -> [p, jj, t?, lo, lane], loops [t?, lo, lane]
-            nsp = 3 + n_tok
-            sch.reorder_block_iter_var(rf, [*range(1, nsp), nsp, 0])
-            for level in tree[1:]:
-                sch.reorder_block_iter_var(level, [*range(2, nsp + 1), 1, 0])
-            sch.reorder_block_iter_var(sch.get_sblock(name), [*range(1, nsp), 0])
-            rfs[name] = rf
-            trees[name] = tree
-    yp = sch.get_sblock("y_part")
+    for name in names:
+        tree = _rfactor_tree(sch, name, lanes)
+        # block iters are [lane, p, jj, t?, r_out] / [lane, p, jj, t?]; compute_at creates loops in
+        # iter order, so put the lane last: loops become [t?, r_out, lane] / [t?, lane]; likewise
+        # the tree levels: iters [lane, lo, p, jj, t?] -> [p, jj, t?, lo, lane], loops [t?, lo, lane]
+        sch.reorder_block_iter_var(tree[0], [*range(1, nsp), nsp, 0])
+        for level in tree[1:]:
+            sch.reorder_block_iter_var(level, [*range(2, nsp + 1), 1, 0])
+        sch.reorder_block_iter_var(sch.get_sblock(name), [*range(1, nsp), 0])
+        trees[name] = tree
+    return trees
+
+
+def _order_part_rows(sch: s_tir.Schedule, yp: s_tir.SBlockRV, p: CpuScheduleParams,
+                     batched: bool) -> tuple[s_tir.LoopRV, s_tir.LoopRV]:
+    """``y_part``'s loops [part, rj, t?, i_out, i_lane], the lanes vectorised; returns (part, rj)."""
     if batched:
         part, tt, i, rj = sch.get_loops(yp)
         sch.reorder(part, rj, tt, i)  # a row pair is read once for all tokens
@@ -324,77 +241,130 @@ def _schedule_partitioned(
         sch.reorder(part, rj, i)
     _, iv = sch.split(i, [None, p.down_lanes])
     sch.vectorize(iv)
-    skip = _skips_inactive(spec, p, batched)
-    # skip: the blocks that decide whether a row is active (gated: gate; ffn_relu: up and h) run first for
-    # all the part's rows, then the row loop reads the rest of the active rows only (see _skip_inactive)
+    return part, rj
+
+
+def _place_dot(sch: s_tir.Schedule, spec: KernelSpec, name: str, h_blk: s_tir.SBlockRV,
+               part: s_tir.LoopRV, rj: s_tir.LoopRV, skip: bool) -> s_tir.LoopRV:
+    """compute_at dot product ``name`` at its row loop; returns that loop (the row loop of the down rows,
+    or, skipping inactive rows, the gate's own row loop, ffn_relu: h's)."""
+    blk = sch.get_sblock(name)
+    if skip and name == "gate":
+        sch.compute_at(blk, part)
+        return sch.get_loops(blk)[1]  # [part, jj, lane]: the gate's own row loop
+    if skip and not spec.gated:
+        anchor = sch.get_loops(h_blk)[1]  # h's row loop (before the row loop of the down rows)
+        sch.compute_at(blk, anchor)
+        return anchor
+    sch.compute_at(blk, rj)
+    return rj
+
+
+def _place_part_tree(sch: s_tir.Schedule, name: str, tree: list[s_tir.SBlockRV], anchor: s_tir.LoopRV) -> None:
+    """The lane-sum tree of dot product ``name`` at its row loop ``anchor``: levels (consumers first) and the
+    main accumulator vectorised along the lanes, on the stack."""
+    for level in reversed(tree[1:]):  # consumers first
+        sch.compute_at(level, anchor)
+        lo, lane = sch.get_loops(level)[-2:]
+        sch.vectorize(lane)
+        sch.unroll(lo)
+        sch.set_scope(level, 0, "global")
+    sch.compute_at(tree[0], anchor)
+    sch.vectorize(sch.get_loops(tree[0])[-1])  # the lanes
+    sch.set_scope(tree[0], 0, "global")  # stack, not a per-row workspace call (module doc)
+    sch.unroll(sch.get_loops(sch.get_sblock(name))[-1])  # the last lane-sum (2 lanes, or all without a tree)
+
+
+def _place_part_dots(sch: s_tir.Schedule, spec: KernelSpec, names: tuple[str, ...],
+                     trees: dict[str, list[s_tir.SBlockRV]], part: s_tir.LoopRV, rj: s_tir.LoopRV,
+                     skip: bool) -> dict[str, s_tir.LoopRV]:
+    """compute_at ``h`` and every dot product (with its tree) in the part; returns each dot's row loop.
+    skip: the blocks that decide whether a row is active (gated: gate; ffn_relu: up and h) run first for
+    all the part's rows, then the row loop reads the rest of the active rows only (see guard_inactive_rows)."""
     h_blk = sch.get_sblock("h")
     sch.compute_at(h_blk, part if skip and not spec.gated else rj)
     anchors: dict[str, s_tir.LoopRV] = {}
     for name in names:
-        blk = sch.get_sblock(name)
-        if skip and name == "gate":
-            sch.compute_at(blk, part)
-            anchor = sch.get_loops(blk)[1]  # [part, jj, lane]: the gate's own row loop
-        elif skip and not spec.gated:
-            anchor = sch.get_loops(h_blk)[1]  # h's row loop (before the row loop of the down rows)
-            sch.compute_at(blk, anchor)
-        else:
-            anchor = rj
-            sch.compute_at(blk, rj)
-        anchors[name] = anchor
-        if name in rfs:
-            for level in reversed(trees[name][1:]):  # consumers first
-                sch.compute_at(level, anchor)
-                lo, lane = sch.get_loops(level)[-2:]
-                sch.vectorize(lane)
-                sch.unroll(lo)
-                sch.set_scope(level, 0, "global")
-            rf = rfs[name]
-            sch.compute_at(rf, anchor)
-            sch.vectorize(sch.get_loops(rf)[-1])  # the lanes
-            sch.set_scope(rf, 0, "global")  # stack, not a per-row workspace call (module doc)
-            sch.unroll(sch.get_loops(blk)[-1])  # the last lane-sum (2 lanes, or all without a tree)
-    sch.parallel(part)
-    streams: dict[str, tuple[tirx.Var, tirx.Var]] = {}  # weight buffer -> (its row loop, the loop streaming a row)
-    for name, tree in trees.items():  # init statements only after parallel() (see _schedule_up)
+        anchors[name] = _place_dot(sch, spec, name, h_blk, part, rj, skip)
+        if name in trees:
+            _place_part_tree(sch, name, trees[name], anchors[name])
+    return anchors
+
+
+def _decompose_part_dots(sch: s_tir.Schedule, trees: dict[str, list[s_tir.SBlockRV]],
+                         anchors: dict[str, s_tir.LoopRV], has_r_out: bool) -> dict[str, tuple[tirx.Var, tirx.Var]]:
+    """Split off the trees' init statements (only after parallel(): see _schedule_up); returns the dot
+    products' weight streams: buffer -> (its row loop, the loop streaming a row)."""
+    streams: dict[str, tuple[tirx.Var, tirx.Var]] = {}
+    for name, tree in trees.items():
         for level in tree[1:]:
             sch.decompose_reduction(level, sch.get_loops(level)[-2])
         if has_r_out:
             r_out = sch.get_loops(tree[0])[-2]
             sch.decompose_reduction(tree[0], r_out)
             streams[f"w_{name}"] = (_loop_var(sch, anchors[name]), _loop_var(sch, r_out))
-    # the down rows: y_part loops are [part, rj, t?, i_out, i_lane]
-    io_loop = sch.get_loops(yp)[-2]
-    if spec.d_model // p.down_lanes > 1:
-        streams["w_down_t"] = (_loop_var(sch, rj), _loop_var(sch, io_loop))
-    rj_var, part_var = _loop_var(sch, rj), _loop_var(sch, part)
+    return streams
+
+
+def _part_prefetch_plan(spec: KernelSpec, p: CpuScheduleParams, streams: dict[str, tuple[tirx.Var, tirx.Var]],
+                        part: tirx.Var, skip: bool) -> list[Prefetch]:
+    """The prefetch plan of the partitioned kernel's weight ``streams``: every stream the next selected row
+    of its own weights, or, skipping inactive rows, only the rows that are read."""
     lanes = {"w_gate": p.up_lanes, "w_up": p.up_lanes, "w_down_t": p.down_lanes}
     decider = "gate" if spec.gated else "h"  # the buffer whose value says whether a row is active
 
-    def entry(target: str, stream: str, ahead: int, only_active: bool = False) -> tuple:
+    def entry(target: str, stream: str, ahead: int, only_active: bool = False) -> Prefetch:
         row_loop, loop = streams[stream]
-        return (target, row_loop, part_var, loop, lanes[stream], ahead, decider if only_active else None)
+        return Prefetch(target, row_loop, part, loop, lanes[stream], ahead, decider if only_active else None)
 
     if not skip:  # every stream prefetches the next selected row of its own weights
-        plan = [entry(w, w, 1) for w in streams]
-    elif spec.gated:  # gate rows are always read; up and down only for rows whose gate is active
+        return [entry(w, w, 1) for w in streams]
+    if spec.gated:  # gate rows are always read; up and down only for rows whose gate is active
         plan = [entry("w_gate", "w_gate", 1)] if "w_gate" in streams else []
         if "w_up" in streams:
             plan.append(entry("w_down_t", "w_up", 0))  # this (active) row's down row, while its up row streams
         if "w_down_t" in streams:
             plan.append(entry("w_up", "w_down_t", 1, only_active=True))  # the next row's up row, if it is active
-    else:  # ffn_relu: up rows are always read; down rows only where h is not 0
-        plan = [entry("w_up", "w_up", 1)] if "w_up" in streams else []
-        if "w_down_t" in streams:
-            plan.append(entry("w_down_t", "w_down_t", 1, only_active=True))
-    sch.decompose_reduction(yp, rj)
+        return plan
+    # ffn_relu: up rows are always read; down rows only where h is not 0
+    plan = [entry("w_up", "w_up", 1)] if "w_up" in streams else []
+    if "w_down_t" in streams:
+        plan.append(entry("w_down_t", "w_down_t", 1, only_active=True))
+    return plan
+
+
+def _schedule_part_sum(sch: s_tir.Schedule, p: CpuScheduleParams) -> None:
+    """``y = sum_p y_part[p]``: vectorised along d, the parts summed innermost but for the lanes."""
     y = sch.get_sblock("y")
-    loops = sch.get_loops(y)
-    i_y, rp = loops[-2:]
+    i_y, rp = sch.get_loops(y)[-2:]
     io, iv = sch.split(i_y, [None, p.down_lanes])
     sch.reorder(io, rp, iv)
     sch.vectorize(iv)
     sch.decompose_reduction(y, rp)
+
+
+def _schedule_partitioned(
+    sch: s_tir.Schedule, spec: KernelSpec, p: CpuScheduleParams, batched: bool
+) -> tuple[list[Prefetch], tuple[tirx.Var, tirx.Var] | None]:
+    """Fused FFN of ``describe_partitioned``: parallel over the parts; in a part, for each row: the
+    (vectorised, rfactor-ed) dot product(s) for every token, ``h``, then the row's axpy into the
+    part's ``y_part`` (so ``h`` never leaves registers/L1); finally ``y = sum_p y_part[p]``.
+    Returns the prefetch plan and, when inactive rows are skipped, the (row, part) loop vars to guard."""
+    names = ("gate", "up") if spec.gated else ("up",)
+    trees = _rfactor_part_dots(sch, names, p.up_lanes, batched) if p.up_lanes > 1 else {}
+    yp = sch.get_sblock("y_part")
+    part, rj = _order_part_rows(sch, yp, p, batched)
+    skip = _skips_inactive(spec, p, batched)
+    anchors = _place_part_dots(sch, spec, names, trees, part, rj, skip)
+    sch.parallel(part)
+    streams = _decompose_part_dots(sch, trees, anchors, spec.d_model // p.up_lanes > 1)  # compute_at drops unit loops
+    io_loop = sch.get_loops(yp)[-2]  # the down rows: y_part loops are [part, rj, t?, i_out, i_lane]
+    if spec.d_model // p.down_lanes > 1:
+        streams["w_down_t"] = (_loop_var(sch, rj), _loop_var(sch, io_loop))
+    rj_var, part_var = _loop_var(sch, rj), _loop_var(sch, part)
+    plan = _part_prefetch_plan(spec, p, streams, part_var, skip)
+    sch.decompose_reduction(yp, rj)
+    _schedule_part_sum(sch, p)
     return plan, (rj_var, part_var) if skip else None
 
 
@@ -438,7 +408,7 @@ def schedule(desc: KernelDesc, spec: KernelSpec, params: CpuScheduleParams | Non
     if spec.kind == "predict":
         _schedule_predict(sch, spec)
         return sch.mod
-    plan: list = []
+    plan: list[Prefetch] = []
     skip = None
     if desc.partitions is not None:
         plan, skip = _schedule_partitioned(sch, spec, p, desc.batched)
@@ -449,83 +419,10 @@ def schedule(desc: KernelDesc, spec: KernelSpec, params: CpuScheduleParams | Non
             _schedule_down(sch, spec, p, desc.batched)
     func = sch.mod["main"]
     if p.prefetch and plan:
-        func = _add_prefetch(func, plan, desc.partitions)
+        func = add_prefetch(func, plan, desc.partitions)
     if skip is not None:
-        func = _skip_inactive(func, spec, *skip)
+        func = guard_inactive_rows(func, spec, *skip)
     return tvm.IRModule({"main": func})
-
-
-def _root_buffer(func: tirx.PrimFunc, name: str) -> tirx.Buffer:
-    """The intermediate buffer ``name`` (allocated in the root block of a scheduled function)."""
-    root = func.body.block
-    for buf in root.alloc_buffers:
-        if buf.name == name:
-            return buf
-    raise RuntimeError(f"buffer {name!r} not found in the scheduled function")
-
-
-def _block_names(stmt: tirx.Stmt) -> list[str]:
-    """Names of the blocks inside ``stmt`` (For / SeqStmt / SBlockRealize nesting)."""
-    if isinstance(stmt, tirx.For):
-        return _block_names(stmt.body)
-    if isinstance(stmt, tirx.SeqStmt):
-        return [n for s in stmt.seq for n in _block_names(s)]
-    if isinstance(stmt, s_tir.SBlockRealize):
-        return [stmt.block.name_hint, *_block_names(stmt.block.body)]
-    return []
-
-
-def _is_active(decider: str, value: tirx.PrimExpr) -> tirx.PrimExpr:
-    """Whether a row whose ``gate`` / ``h`` value is ``value`` contributes (a NaN still propagates)."""
-    zero = tirx.const(0.0, "float32")
-    return tirx.Not(value <= zero) if decider == "gate" else value != zero
-
-
-def _skip_inactive(func: tirx.PrimFunc, spec: KernelSpec, rj: tirx.Var, part: tirx.Var) -> tirx.PrimFunc:
-    """Row loop body ``[gate…, up…, h, y_part]`` → ``[gate…, if gate > 0: [up…, h, y_part]]`` (``ffn_gated``),
-    ``[up…, h, y_part]`` → ``[up…, h, if h != 0: y_part]`` (``ffn_relu``): a selected row whose ReLU is 0
-    (a predicted neuron that does not fire) costs only its gate (up) row, not its up and down rows.
-    ``h`` is exactly 0 there, so ``y`` is unchanged bit for bit."""
-    if spec.gated:
-        cond_buf, first = _root_buffer(func, "gate"), "up"
-    else:
-        cond_buf, first = _root_buffer(func, "h"), "y_part"
-    cond = _is_active(cond_buf.name, tirx.BufferLoad(cond_buf, [part, rj]))
-
-    def guarded(body: tirx.Stmt) -> tirx.Stmt:
-        seq = list(body.seq) if isinstance(body, tirx.SeqStmt) else [body]
-        at = next((i for i, st in enumerate(seq) if any(n.startswith(first) for n in _block_names(st))), None)
-        if at is None:
-            raise RuntimeError(f"skip_inactive: no {first!r} block in the row loop")
-        return _seq([*seq[:at], tirx.IfThenElse(cond, _seq(seq[at:]), None)])
-
-    return _rewrite_loops(func, {rj: guarded})
-
-
-def _add_prefetch(func: tirx.PrimFunc, plan: list, partitions: int | None) -> tirx.PrimFunc:
-    """Insert, at the start of each streaming loop of the plan, prefetches of the lines of a selected row
-    at the loop's offset. Plan entries: (weight buffer name to prefetch, row loop var ``jj``, part loop var
-    (partitioned form) or None, streaming loop var, elements per iteration, rows ahead). The row is
-    ``idx[min(j + ahead, k - 1)]`` (ahead 1: the next selected row of the weights being streamed; 0: this
-    row of another weight, read next) with ``j = jj`` or ``p * S + jj`` (the partitioned row numbering of
-    ``compute.describe_partitioned``); the clamp keeps the ``idx`` load in bounds."""
-    bufs = _buffers(func)
-    idx = bufs["idx"]
-    k = idx.shape[0]
-    inserts: dict[tirx.Var, list[tirx.Stmt]] = {}
-    for w_name, jj, part, stream, n_elems, ahead, only_active in plan:
-        w = bufs[w_name]
-        if n_elems * (tvm.DataType(w.dtype).bits // 8) < _LINE_BYTES // 2:
-            continue  # narrow vectors (odd d_model): a prefetch per few elements would cost more than it saves
-        size = tirx.floordiv(k + (partitions or 1) - 1, partitions or 1)  # rows per part
-        j = jj if part is None else part * size + jj
-        row = tirx.BufferLoad(idx, [tirx.min(j + ahead, k - 1)])
-        stmts = _prefetch(w, row, stream * n_elems, n_elems)
-        if only_active is not None:  # only if that row is active (its decider value is known already)
-            value = tirx.BufferLoad(_root_buffer(func, only_active), [part, tirx.min(jj + ahead, size - 1)])
-            stmts = [tirx.IfThenElse(_is_active(only_active, value), _seq(stmts), None)]
-        inserts.setdefault(stream, []).extend(stmts)
-    return _prepend_to_loops(func, inserts)
 
 
 def as_named(mod: tvm.IRModule, name: str) -> tirx.PrimFunc:

@@ -11,11 +11,12 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
-from picompile.context import BuildContext
+from picompile.context import BuildContext, FFNLayer
 from picompile.errors import PassError
-from picompile.ir.ops import is_picompile_op
 from picompile.formats.profile import PROFILE_FILE, update_counts
+from picompile.ir.ops import is_picompile_op
 from picompile.ir.patterns import Decider, decider_of, ffn_nodes
+from picompile.ir.schema import bind, call_args
 from picompile.passes.registry import register_pass
 from picompile.sparsity.profile_stats import LayerProfile
 
@@ -48,10 +49,12 @@ class _Thresholded(fx.Interpreter):
         self.thresholds = thresholds
 
     def call_function(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if is_picompile_op(target, "ffn") and self.thresholds.get(int(args[7]), 0.0) > 0.0:
-            layer = int(args[7])
-            mask = self.deciders[layer].score(args[0]) > self.thresholds[layer]
-            args = (*args[:8], mask)
+        if is_picompile_op(target, "ffn"):
+            call = bind("ffn", args, kwargs)
+            layer = int(call["layer"])
+            if self.thresholds.get(layer, 0.0) > 0.0:
+                call["mask"] = self.deciders[layer].score(call["x"]) > self.thresholds[layer]  # [..., n_neurons]
+                args, kwargs = call_args("ffn", call), {}
         return super().call_function(target, args, kwargs)
 
 
@@ -94,6 +97,37 @@ def greedy_allocation(loss_at: Callable[[list[float]], float], n_layers: int, ta
     return sparsity
 
 
+def _score_layers(gm: fx.GraphModule, ctx: BuildContext,
+                  layers: list[FFNLayer]) -> tuple[dict[int, Decider], list[_Layer]]:
+    """Each layer's decider and its scores on the calibration tokens."""
+    nodes = ffn_nodes(gm)
+    deciders: dict[int, Decider] = {}
+    infos: list[_Layer] = []
+    for layer in layers:
+        decider = deciders[layer.index] = decider_of(gm, nodes[layer.index], ctx.config.act_criterion)
+        with torch.no_grad():
+            scores = decider.score(ctx.calibration[layer.index].x)  # [N, n_neurons]
+        infos.append(_Layer(layer.index, scores, torch.sort(scores.flatten()).values))
+    return deciders, infos
+
+
+def _windows(ids: torch.Tensor, window: int) -> list[torch.Tensor]:
+    """``ids`` [T] cut into chunks of ``window`` tokens (each [<= window]); a last single token is dropped."""
+    return [ids[i : i + window] for i in range(0, ids.numel(), window) if ids[i : i + window].numel() > 1]
+
+
+def _record(ctx: BuildContext, layers: list[FFNLayer], infos: list[_Layer], sparsity: list[float]) -> None:
+    """Each layer's allocated threshold, mask and profile into the calibration and the layer's stats."""
+    for layer, info, s in zip(layers, infos, sparsity):
+        cal = ctx.calibration[info.index]
+        cal.threshold = info.threshold(s)
+        cal.mask = info.scores > cal.threshold  # [N, n_neurons]
+        prof = LayerProfile.from_mask(cal.mask.numpy(), name=layer.module)
+        cal.profile = prof
+        layer.stats.update({"act_sparsity": round(s, 4), "act_threshold": cal.threshold,
+                            "sparsity": prof.sparsity, "locality": prof.locality})
+
+
 @register_pass("allocate-sparsity")
 def allocate_sparsity(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
     cfg = ctx.config
@@ -105,17 +139,9 @@ def allocate_sparsity(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
         for layer in layers:
             layer.stats["act_sparsity"] = target
         return gm
-    nodes = ffn_nodes(gm)
-    deciders: dict[int, Decider] = {}
-    infos: list[_Layer] = []
-    for layer in layers:
-        decider = deciders[layer.index] = decider_of(gm, nodes[layer.index], cfg.act_criterion)
-        with torch.no_grad():
-            scores = decider.score(ctx.calibration[layer.index].x)  # [N, n_neurons]
-        infos.append(_Layer(layer.index, scores, torch.sort(scores.flatten()).values))
+    deciders, infos = _score_layers(gm, ctx, layers)
     ids = ctx.calibration_ids[: cfg.allocation_tokens]  # [T]
-    window = min(ctx.max_seq_len, 256)
-    chunks = [ids[i : i + window] for i in range(0, ids.numel(), window) if ids[i : i + window].numel() > 1]
+    chunks = _windows(ids, min(ctx.max_seq_len, 256))
     cache: dict[tuple[float, ...], float] = {}
 
     def loss_at(sparsity: list[float]) -> float:
@@ -132,22 +158,13 @@ def allocate_sparsity(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
     method = "greedy"
     if greedy_loss > uniform_loss:  # greedy is myopic: keep whichever measured better
         sparsity, method = [target] * len(infos), "uniform (greedy measured worse)"
-    final_loss = min(greedy_loss, uniform_loss)
-    for layer, info, s in zip(layers, infos, sparsity):
-        cal = ctx.calibration[info.index]
-        cal.threshold = info.threshold(s)
-        cal.mask = info.scores > cal.threshold  # [N, n_neurons]
-        prof = LayerProfile.from_mask(cal.mask.numpy(), name=layer.module)
-        cal.profile = prof
-        layer.stats.update({"act_sparsity": round(s, 4), "act_threshold": cal.threshold,
-                            "sparsity": prof.sparsity, "locality": prof.locality})
+    _record(ctx, layers, infos, sparsity)
     ctx.manifest_extra["sparsity_allocation"] = {
         "method": method, "target": target, "step": cfg.allocation_step, "tokens": int(ids.numel()),
         "per_layer": {str(i.index): round(s, 4) for i, s in zip(infos, sparsity)},
         "calibration_nll": {"dense": dense_loss, "uniform": uniform_loss, "greedy": greedy_loss,
-                            "allocated": final_loss},
+                            "allocated": min(greedy_loss, uniform_loss)},
         "evaluations": len(cache),
     }
     update_counts(ctx.staging_dir / PROFILE_FILE, {info.index: ctx.calibration[info.index].profile for info in infos})
     return gm
-

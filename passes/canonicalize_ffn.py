@@ -23,9 +23,9 @@ import torch
 from torch import fx
 
 from picompile.context import BuildContext, FFNLayer
-import picompile.ir.ops  # noqa: F401  (registers picompile::ffn)
 from picompile.errors import PatternError
 from picompile.ir.graph import get_tensor
+from picompile.ir.schema import call_args
 from picompile.passes.registry import register_pass
 
 aten = torch.ops.aten
@@ -339,10 +339,8 @@ def _rewrite(gm: fx.GraphModule, m: FFNMatch) -> dict[str, str]:
     w_down = _weight_node(gm, m.down, anchor)
     b_up, b_down = m.up.b, m.down.b
     with g.inserting_before(anchor):
-        new = g.call_function(
-            torch.ops.picompile.ffn.default,
-            (m.x, w_up, b_up, w_gate, w_down, b_down, m.act, m.layer),
-        )
+        new = g.call_function(torch.ops.picompile.ffn.default, call_args("ffn", dict(
+            x=m.x, w_up=w_up, b_up=b_up, w_gate=w_gate, w_down=w_down, b_down=b_down, act=m.act, layer=m.layer)))
     new.meta.update({k: v for k, v in anchor.meta.items() if k in ("val", "tensor_meta", "nn_module_stack", "stack_trace")})
     anchor.replace_all_uses_with(new)
     chain = [*m.down.nodes, *([m.mul] if m.mul is not None else []), *m.act_match.nodes,

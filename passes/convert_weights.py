@@ -7,20 +7,23 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-import picompile.ir.ops  # noqa: F401  (registers picompile:: ops)
 from picompile.context import BuildContext
 from picompile.errors import PassError
 from picompile.ir.graph import drop_unused_weights, get_tensor
-from picompile.ir.ops import is_picompile_op
 from picompile.ir.patterns import WEIGHT_DTYPES as DTYPES
 from picompile.ir.patterns import add_buffer
+from picompile.ir.schema import args_of, call_args, node_op, set_args
 from picompile.passes.registry import register_pass
 
 aten = torch.ops.aten
-# picompile op -> positions of the weight tensors it reads in the artifact's weight dtype
+# picompile op -> the weight tensors it reads in the artifact's weight dtype, by argument name
 # (b_up goes with its rows: the kernels take it in the weight dtype)
-WEIGHT_ARGS: dict[str, tuple[int, ...]] = {"ffn": (1, 2, 3, 4), "sparse_ffn": (1, 2, 3, 4), "oracle_mask": (1, 2, 6)}
-PREDICTOR_ARGS: tuple[int, ...] = (1, 2)  # predict's fc1, fc2: in the predictor dtype
+WEIGHT_ARGS: dict[str, tuple[str, ...]] = {
+    "ffn": ("w_up", "b_up", "w_gate", "w_down"),
+    "sparse_ffn": ("w_up", "b_up", "w_gate", "w_down_t"),
+    "oracle_mask": ("w", "b", "w_mul"),
+}
+PREDICTOR_ARGS: tuple[str, ...] = ("fc1", "fc2")  # predict's: in the predictor dtype
 
 
 class _Converter:
@@ -54,38 +57,45 @@ def _dtype(name: str, flag: str) -> torch.dtype:
     return dtype
 
 
+def _narrow_linear(gm: fx.GraphModule, node: fx.Node, conv: _Converter) -> str | None:
+    """aten.linear(x, W, b) → picompile.linear(x, W narrowed, b); why not, when its weight is computed."""
+    x, w, *rest = node.args
+    b = rest[0] if rest else node.kwargs.get("bias")
+    if not (isinstance(w, fx.Node) and w.op == "get_attr"):
+        return f"{node.name}: its weight is computed ({getattr(w, 'target', w)}), not a stored tensor"
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_function(torch.ops.picompile.linear.default, call_args("linear", dict(x=x, w=conv(w), b=b)))
+    new.meta.update(node.meta)
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+    return None
+
+
+def _narrow_args(node: fx.Node, names: tuple[str, ...], convert: _Converter) -> None:
+    """The weight arguments ``names`` of a picompile op node, each read through its narrowed copy."""
+    args = args_of(node)
+    set_args(node, **{name: convert(args[name]) for name in names})
+
+
 @register_pass("convert-weights")
 def convert_weights(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
     dtype = _dtype(ctx.config.weight_dtype, "weight dtype")
     conv = _Converter(gm, dtype)  # a no-op for float32 tensors when dtype is float32
     pconv = _Converter(gm, _dtype(ctx.config.predictor_dtype, "predictor dtype"))
-    ops = [(op, pos, conv) for op, pos in WEIGHT_ARGS.items()] + [("predict", PREDICTOR_ARGS, pconv)]
+    ops = {**{op: (names, conv) for op, names in WEIGHT_ARGS.items()}, "predict": (PREDICTOR_ARGS, pconv)}
     linears = 0
     why_kept: list[str] = []
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
             continue
         if node.target is aten.linear.default and dtype != torch.float32:
-            x, w, *rest = node.args
-            b = rest[0] if rest else node.kwargs.get("bias")
-            if not (isinstance(w, fx.Node) and w.op == "get_attr"):
-                why_kept.append(f"{node.name}: its weight is computed ({getattr(w, 'target', w)}), not a stored tensor")
-                continue
-            with gm.graph.inserting_before(node):
-                new = gm.graph.call_function(torch.ops.picompile.linear.default, (x, conv(w), b))
-            new.meta.update(node.meta)
-            node.replace_all_uses_with(new)
-            gm.graph.erase_node(node)
-            linears += 1
-            continue
-        for op, positions, convert in ops:
-            if is_picompile_op(node.target, op):
-                args = list(node.args)
-                for pos in positions:
-                    if pos < len(args):
-                        args[pos] = convert(args[pos])
-                node.args = tuple(args)
-                break
+            why = _narrow_linear(gm, node, conv)
+            if why is None:
+                linears += 1
+            else:
+                why_kept.append(why)
+        elif (op := node_op(node)) is not None and op in ops:
+            _narrow_args(node, *ops[op])
     if conv.count or pconv.count or linears:
         drop_unused_weights(gm)  # the float32 originals no longer read (an embedding keeps its own)
         gm.recompile()

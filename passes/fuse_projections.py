@@ -7,14 +7,19 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-import picompile.ir.ops  # noqa: F401  (registers picompile:: ops)
 from picompile.context import BuildContext
 from picompile.ir.graph import drop_unused_weights, get_tensor
-from picompile.ir.ops import is_picompile_op
 from picompile.ir.patterns import add_buffer, linear_parts
+from picompile.ir.schema import call_args, op_name
 from picompile.passes.registry import register_pass
 
 aten = torch.ops.aten
+
+
+def _linear_args(target: object, x: fx.Node, w: fx.Node, b: fx.Node | None) -> tuple[object, ...]:
+    """The arguments of a call of ``target`` (aten.linear, or picompile.linear by name) on x, w, b."""
+    op = op_name(target)
+    return (x, w, b) if op is None else call_args(op, dict(x=x, w=w, b=b))
 
 
 @register_pass("fuse-projections")
@@ -38,7 +43,7 @@ def fuse_projections(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
         b_node = None if no_bias else add_buffer(
             gm, f"fused_{first.name}_b", torch.cat([get_tensor(gm, b) for _, _, b in parts]), first)  # type: ignore[misc, arg-type]
         with gm.graph.inserting_before(first):
-            out = gm.graph.call_function(target, (x, w_node, b_node))  # [..., sum d_out_i]
+            out = gm.graph.call_function(target, _linear_args(target, x, w_node, b_node))  # [..., sum d_out_i]
             start = 0
             for n, w in zip(nodes, ws):
                 part = gm.graph.call_function(aten.slice.Tensor, (out, -1, start, start + w.shape[0]))

@@ -4,15 +4,15 @@
 """
 from __future__ import annotations
 
+import torch
 from torch import fx
 
-import picompile.ir.ops  # noqa: F401  (registers picompile:: ops)
-import torch
 from picompile.context import BuildContext
 from picompile.errors import PassError
 from picompile.ir.patterns import add_buffer, decider_nodes, ffn_nodes
 from picompile.ir.schema import arg, call_args, set_args
 from picompile.passes.registry import register_pass
+
 
 @register_pass("insert-predictors")
 def insert_predictors(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:

@@ -8,17 +8,18 @@ Compiled libraries go to the artifact's kernels/ and are listed in the manifest.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import fx
 
-import picompile.ir.ops  # noqa: F401  (registers picompile:: ops)
 from picompile.context import BuildContext
 from picompile.errors import PassError
 from picompile.ir.graph import get_tensor
 from picompile.ir.ops import is_picompile_op
 from picompile.ir.patterns import linear_parts
+from picompile.ir.schema import args_of, call_args, op_name
 from picompile.passes.registry import register_pass
 
 aten = torch.ops.aten
@@ -44,10 +45,13 @@ def _build(ctx: BuildContext, spec: Any, entries: dict[str, dict[str, Any]], use
     return key
 
 
-def _replace(gm: fx.GraphModule, node: fx.Node, op: Any, args: tuple[Any, ...]) -> None:
-    """``node`` becomes a call of ``op`` on ``args`` (same place, same metadata, same users)."""
+def _replace(gm: fx.GraphModule, node: fx.Node, op: Any, values: Mapping[str, Any]) -> None:
+    """``node`` becomes a call of picompile ``op`` on the arguments ``values`` by name (same place, same
+    metadata, same users)."""
+    name = op_name(op)
+    assert name is not None, op
     with gm.graph.inserting_before(node):
-        new = gm.graph.call_function(op, args)
+        new = gm.graph.call_function(op, call_args(name, values))
     new.meta.update(node.meta)
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)
@@ -109,19 +113,36 @@ def _lower_gemvs(gm: fx.GraphModule, ctx: BuildContext, entries: dict[str, dict[
             x, w, b = parts
             _align(gm, w)
             key = _build(ctx, _gemv_spec(get_tensor(gm, w), "none"), entries, node.name)
-            op, args = torch.ops.picompile.tvm_linear.default, (x, w, b, key)
+            _replace(gm, node, torch.ops.picompile.tvm_linear.default, dict(x=x, w=w, b=b, kernel=key))
         else:
-            x, fc1, fc2, threshold, layer, act, offset = (*node.args, "relu", None)[:7]  # older graphs: 5 args
-            key = _build(ctx, _predict_spec(get_tensor(gm, fc1), get_tensor(gm, fc2), str(act), offset is not None),
-                         entries, f"layer{layer}.predictor")
-            op, args = torch.ops.picompile.tvm_predict.default, (x, fc1, fc2, threshold, layer, key, "", act, offset)
-        _replace(gm, node, op, args)
+            a = args_of(node)  # an older graph's predict (no act, offset) reads the schema's defaults
+            key = _build(ctx, _predict_spec(get_tensor(gm, a["fc1"]), get_tensor(gm, a["fc2"]), str(a["act"]),
+                                            a["offset"] is not None), entries, f"layer{a['layer']}.predictor")
+            _replace(gm, node, torch.ops.picompile.tvm_predict.default, dict(a, kernel1=key, kernel2=""))
+
+
+def _ffn_kernels(gm: fx.GraphModule, ctx: BuildContext, a: Mapping[str, Any],
+                 entries: dict[str, dict[str, Any]]) -> tuple[str, str]:
+    """The (llvm, cuda) kernel keys of one sparse_ffn part, its arguments ``a`` by name: ("", "") for a part
+    without rows; no cuda kernel but for a GPU part on a target with a GPU."""
+    from picompile.kernels import KernelSpec
+
+    up = get_tensor(gm, a["w_up"])  # [n_rows, d_model]
+    n_rows, d_model = int(up.shape[0]), int(up.shape[1])
+    if n_rows == 0:
+        return "", ""
+    use = f"layer{a['layer']}.{a['part']}"
+    common = dict(kind="ffn_gated" if a["w_gate"] is not None else "ffn_relu", act=a["act"], d_model=d_model,
+                  n_rows=n_rows, weight_dtype=str(up.dtype).removeprefix("torch."), has_bias=a["b_up"] is not None)
+    cpu_key = _build(ctx, KernelSpec(**common, target="llvm"), entries, use)
+    gpu_key = ""
+    if a["device"] == "gpu" and ctx.target.has_gpu:
+        gpu_key = _build(ctx, KernelSpec(**common, target=f"cuda:{ctx.target.cuda_arch}"), entries, use)
+    return cpu_key, gpu_key
 
 
 @register_pass("lower-tvm")
 def lower_tvm(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
-    from picompile.kernels import KernelSpec
-
     entries: dict[str, dict[str, Any]] = {}
     skipped: list[str] = []
     nodes = [n for n in gm.graph.nodes if n.op == "call_function" and is_picompile_op(n.target, "sparse_ffn")]
@@ -129,20 +150,13 @@ def lower_tvm(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
         raise PassError("lower-tvm found no sparse_ffn node to lower (run split-ffn first)")
     _lower_gemvs(gm, ctx, entries)
     for node in ctx.track(nodes, "compiling TVM kernels"):
-        x, w_up, b_up, w_gate, w_down_t, mask, act, layer, part, device = node.args
-        up = get_tensor(gm, w_up)  # [n_rows, d_model]
-        n_rows, d_model = int(up.shape[0]), int(up.shape[1])
-        if act not in KERNEL_ACTS:
-            skipped.append(f"layer {layer} {part}: activation {act} has no TVM kernel (supported: {', '.join(KERNEL_ACTS)})")
+        a = args_of(node)
+        if a["act"] not in KERNEL_ACTS:
+            skipped.append(f"layer {a['layer']} {a['part']}: activation {a['act']} has no TVM kernel "
+                           f"(supported: {', '.join(KERNEL_ACTS)})")
             continue
-        cpu_key = gpu_key = ""
-        if n_rows > 0:
-            common = dict(kind="ffn_gated" if w_gate is not None else "ffn_relu", act=act, d_model=d_model,
-                          n_rows=n_rows, weight_dtype=str(up.dtype).removeprefix("torch."), has_bias=b_up is not None)
-            cpu_key = _build(ctx, KernelSpec(**common, target="llvm"), entries, f"layer{layer}.{part}")
-            if device == "gpu" and ctx.target.has_gpu:
-                gpu_key = _build(ctx, KernelSpec(**common, target=f"cuda:{ctx.target.cuda_arch}"), entries, f"layer{layer}.{part}")
-        _replace(gm, node, torch.ops.picompile.tvm_sparse_ffn.default, (*node.args, cpu_key, gpu_key))
+        cpu_key, gpu_key = _ffn_kernels(gm, ctx, a, entries)
+        _replace(gm, node, torch.ops.picompile.tvm_sparse_ffn.default, dict(a, kernel=cpu_key, gpu_kernel=gpu_key))
     gm.recompile()
     ctx.manifest_extra["kernels"] = list(entries.values())
     if skipped:

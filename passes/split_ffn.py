@@ -8,7 +8,6 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-import picompile.ir.ops  # noqa: F401  (registers picompile:: ops)
 from picompile.context import BuildContext
 from picompile.errors import PassError
 from picompile.ir.graph import drop_unused_weights, get_tensor
@@ -23,7 +22,7 @@ MASK_ROWS: dict[str, tuple[str, ...]] = {"predict": ("fc2", "offset"), "oracle_m
 
 
 def _permute_mask_producer(gm: fx.GraphModule, mask: fx.Node, perm: torch.Tensor, layer: int) -> None:
-    for op, positions in MASK_ROWS.items():
+    for op, names in MASK_ROWS.items():
         if mask.op == "call_function" and is_picompile_op(mask.target, op):
             break
     else:
@@ -31,10 +30,11 @@ def _permute_mask_producer(gm: fx.GraphModule, mask: fx.Node, perm: torch.Tensor
                         f"(expected one of {', '.join(MASK_ROWS)})")
     args = args_of(mask)
     permuted = {}
-    for name in positions:
+    for name in names:
         if args[name] is None:
             continue
         t = get_tensor(gm, args[name])[perm]  # rows in hot-then-cold order
+        # the buffer keeps its positional name: the artifact's weight names stay as they were
         permuted[name] = add_buffer(gm, f"ffn{layer}_{op}_rows{position(op, name)}", t, mask)
     set_args(mask, **permuted)
 

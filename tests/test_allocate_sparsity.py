@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from picompile.ir.ops import activation_score, is_picompile_op
+from picompile.ir.schema import arg
 from picompile.passes.allocate_sparsity import greedy_allocation
 from picompile.testing import context_for, run_passes
 
@@ -61,7 +62,7 @@ def test_product_criterion_masks_by_real_output(checkpoints: dict, tmp_path: Pat
                       act_criterion="product", predictor="oracle", vram_budget_gib=2e-5)
     gm = run_passes(ctx, ["capture", "canonicalize-ffn", "profile-activations", "place-neurons", "insert-predictors"])
     masks = [n for n in gm.graph.nodes if n.op == "call_function" and is_picompile_op(n.target, "oracle_mask")]
-    assert len(masks) == len(ctx.ffn_layers) and all(len(n.args) == 7 and n.args[6] is not None for n in masks)
+    assert len(masks) == len(ctx.ffn_layers) and all(len(n.args) == 7 and arg(n, "w_mul") is not None for n in masks)
     layer = ctx.ffn_layers[0]
     cal = ctx.calibration[layer.index]
     mlp = ctx.model.model.layers[layer.index].mlp

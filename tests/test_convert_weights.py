@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 import picompile
 from picompile.ir.graph import count_ops, get_tensor
 from picompile.ir.ops import is_picompile_op
+from picompile.ir.schema import arg, args_of
 from picompile.testing import context_for, decode_logits, run_passes
 
 PREFIX = ["capture", "canonicalize-ffn", "fold-kv-repeat", "profile-activations", "train-predictors", "place-neurons",
@@ -38,14 +39,17 @@ def test_convert_float16(key: tuple[str, str], checkpoints: dict, tmp_path: Path
         if node.op != "call_function":
             continue
         if is_picompile_op(node.target, "linear"):
-            assert get_tensor(gm, node.args[1]).dtype == torch.float16
-            if node.args[2] is not None:  # biases stay float32
-                assert get_tensor(gm, node.args[2]).dtype == torch.float32
+            assert get_tensor(gm, arg(node, "w")).dtype == torch.float16
+            if arg(node, "b") is not None:  # biases stay float32
+                assert get_tensor(gm, arg(node, "b")).dtype == torch.float32
             fp16 += 1
         elif is_picompile_op(node.target, "sparse_ffn") or is_picompile_op(node.target, "predict"):
-            for arg in node.args[1:5]:
-                if isinstance(arg, torch.fx.Node) and arg.op == "get_attr":
-                    assert get_tensor(gm, arg).dtype == torch.float16, node.format_node()
+            a = args_of(node)
+            predict = is_picompile_op(node.target, "predict")
+            weights = ("fc1", "fc2") if predict else ("w_up", "b_up", "w_gate", "w_down_t")
+            for w in (a[name] for name in weights):
+                if isinstance(w, torch.fx.Node) and w.op == "get_attr":
+                    assert get_tensor(gm, w).dtype == torch.float16, node.format_node()
         elif node.target is torch.ops.aten.embedding.default:
             assert get_tensor(gm, node.args[0]).dtype == torch.float32
     assert fp16 == n_linear
@@ -80,10 +84,10 @@ def test_float16_predictors_in_a_float32_build(checkpoints: dict, tmp_path: Path
     assert len(preds) == 2
     for node in gm.graph.nodes:
         if node.op == "call_function" and is_picompile_op(node.target, "predict"):
-            assert [get_tensor(gm, a).dtype for a in node.args[1:3]] == [torch.float16, torch.float16]
-            assert get_tensor(gm, node.args[6]).dtype == torch.float32  # the offset
+            assert [get_tensor(gm, arg(node, a)).dtype for a in ("fc1", "fc2")] == [torch.float16, torch.float16]
+            assert get_tensor(gm, arg(node, "offset")).dtype == torch.float32  # the offset
         elif node.op == "call_function" and is_picompile_op(node.target, "sparse_ffn"):
-            assert get_tensor(gm, node.args[1]).dtype == torch.float32
+            assert get_tensor(gm, arg(node, "w_up")).dtype == torch.float32
     info = ctx.manifest_extra["convert_weights"]
     assert info["converted"] == 4 and info["predictor_dtype"] == "float16" and info["bytes_after"] * 2 == info["bytes_before"]
     # the threshold was tuned on the rounded weights (train-predictors): the masks, so the logits, are the same
@@ -105,9 +109,10 @@ def test_float16_artifact(predictor: str, checkpoints: dict, tmp_path: Path) -> 
     assert ("up", "none", "float16") in kinds and ("ffn_gated", "relu", "float16") in kinds
     if predictor == "trained":
         preds = [n for n in session.graph.graph.nodes if n.op == "call_function" and is_picompile_op(n.target, "tvm_predict")]
-        assert len(preds) == 2 and all(n.args[7] == "none" and n.args[8] is not None for n in preds)  # linear, offset
+        # linear predictors (act "none"), with an offset
+        assert len(preds) == 2 and all(arg(n, "act") == "none" and arg(n, "offset") is not None for n in preds)
         # one kernel per predictor (kind "predict": fc1, fc2, offset and the threshold test in one call)
-        assert all(n.args[6] == "" and n.args[5].startswith("pi_predict_") for n in preds)
+        assert all(arg(n, "kernel2") == "" and arg(n, "kernel1").startswith("pi_predict_") for n in preds)
         assert ("predict", "none", "float16") in kinds
     with safe_open(str(out16 / "weights.safetensors"), "pt") as f:
         dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}

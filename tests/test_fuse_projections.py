@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from picompile.ir.graph import count_ops, get_tensor
+from picompile.ir.patterns import linear_parts
 from picompile.testing import context_for, decode_logits, run_passes
 
 PREFIX = ["capture", "canonicalize-ffn", "fold-kv-repeat", "convert-weights"]
@@ -28,11 +29,12 @@ def test_fuse(key: tuple[str, str], dtype: str, checkpoints: dict, tmp_path: Pat
     section = ctx.manifest_extra["fuse_projections"]
     assert section["groups"] == L and all(len(g["linears"]) == 3 for g in section["fused"])
     fused = [n for n in gm.graph.nodes if n.op == "call_function" and str(n.target).endswith("linear.default")
-             and str(n.args[1].target).startswith("fused_")]
+             and str(linear_parts(n)[1].target).startswith("fused_")]
     assert len(fused) == L
     for n in fused:
-        w = get_tensor(gm, n.args[1])
+        _, w_node, b = linear_parts(n)
+        w = get_tensor(gm, w_node)
         assert w.shape[1] == ctx.info.d_model and w.dtype == getattr(torch, dtype)
-        assert (n.args[2] is None) == (key[0] == "llama")  # OPT's q/k/v biases are stacked too
+        assert (b is None) == (key[0] == "llama")  # OPT's q/k/v biases are stacked too
     after = decode_logits(gm, ctx, ids)
     assert (after - before).abs().max().item() < 1e-5

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from picompile.ir.graph import count_ops, get_tensor
+from picompile.ir.schema import arg
 from picompile.testing import context_for, run_passes
 
 PREFIX = ["capture", "canonicalize-ffn", "profile-activations", "train-predictors", "place-neurons"]
@@ -32,10 +33,10 @@ def test_predictor_nodes(mode: str, checkpoints: dict, tmp_path: Path) -> None:
     ffns = [n for n in gm.graph.nodes if n.target == torch.ops.picompile.ffn.default]
     assert len(ffns) == L
     for n in ffns:
-        mask = n.args[8] if len(n.args) > 8 else None
+        mask = arg(n, "mask")
         assert (mask is None) == (mode == "none")
         if mask is not None:
-            assert mask.args[0] is n.args[0]  # the predictor reads the FFN's own input
+            assert arg(mask, "x") is arg(n, "x")  # the predictor reads the FFN's own input
     sparse = _logits(gm, ctx, ids)
     if mode in ("oracle", "none"):  # exact for a ReLU model: skipped neurons are exactly zero
         assert (sparse - dense).abs().max().item() < 1e-5
@@ -48,11 +49,11 @@ def test_predictor_nodes(mode: str, checkpoints: dict, tmp_path: Path) -> None:
 def test_predict_node_is_the_trained_predictor(kind: str, checkpoints: dict, tmp_path: Path) -> None:
     ctx = context_for(checkpoints[("llama", "relu")], tmp_path, calibration_tokens=512, predictor_kind=kind)
     gm = run_passes(ctx, PREFIX + ["insert-predictors"])
-    preds = {n.args[4]: n for n in gm.graph.nodes if n.target == torch.ops.picompile.predict.default}
+    preds = {arg(n, "layer"): n for n in gm.graph.nodes if n.target == torch.ops.picompile.predict.default}
     assert sorted(preds) == sorted(ctx.predictors)
     for layer, node in preds.items():
         pred = ctx.predictors[layer]
-        x, fc1, fc2, threshold, _, act, offset = node.args
+        fc1, fc2, threshold, act, offset = (arg(node, k) for k in ("fc1", "fc2", "threshold", "act", "offset"))
         assert act == ("none" if kind == "linear" else "relu") and (offset is None) == (kind == "mlp")
         assert get_tensor(gm, fc1).shape == (pred.rank, pred.d_model) and threshold == float(pred.threshold)
         cal_x = ctx.calibration[layer].x[:256]  # [256, d_model]

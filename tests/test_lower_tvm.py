@@ -9,6 +9,7 @@ import torch
 
 from picompile.errors import PassError
 from picompile.ir.graph import count_ops
+from picompile.ir.schema import arg
 from picompile.runtime.loader import load_kernels
 from picompile.testing import context_for, run_passes
 
@@ -52,7 +53,7 @@ def test_lowered_graph_matches_reference(key: tuple[str, str], mode: str, checkp
         assert (tmp_path / e["file"]).is_file() and (tmp_path / e["meta"]).is_file()
     for node in gm.graph.nodes:
         if node.target == torch.ops.picompile.tvm_sparse_ffn.default:
-            part, cpu_key, gpu_key = node.args[8], node.args[10], node.args[11]
+            part, cpu_key, gpu_key = (arg(node, k) for k in ("part", "kernel", "gpu_kernel"))
             assert cpu_key and (bool(gpu_key) == (part == "hot"))
     load_kernels(tmp_path, entries)
     after = _decode(gm, ctx, ids)

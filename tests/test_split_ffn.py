@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from picompile.ir.graph import count_ops, get_tensor
+from picompile.ir.schema import arg, args_of
 from picompile.testing import context_for, decode_logits, run_passes
 
 PREFIX = ["capture", "canonicalize-ffn", "profile-activations", "train-predictors", "place-neurons", "insert-predictors"]
@@ -30,13 +31,13 @@ def test_split(key: tuple[str, str], mode: str, target: str, budget: float | Non
     assert ops["picompile::sparse_ffn"] == 2 * L and ops["picompile::merge"] == L
     parts = [n for n in gm.graph.nodes if n.target == torch.ops.picompile.sparse_ffn.default]
     for layer in ctx.ffn_layers:
-        hot, cold = [n for n in parts if n.args[7] == layer.index]
-        assert (hot.args[8], hot.args[9], cold.args[8], cold.args[9]) == ("hot", "gpu", "cold", "cpu")
+        hot, cold = [args_of(n) for n in parts if arg(n, "layer") == layer.index]
+        assert (hot["part"], hot["device"], cold["part"], cold["device"]) == ("hot", "gpu", "cold", "cpu")
         n_hot, n_cold = layer.stats["n_hot"], layer.stats["n_cold"]
-        assert get_tensor(gm, hot.args[1]).shape == (n_hot, layer.d_model)
-        assert get_tensor(gm, cold.args[4]).shape == (n_cold, layer.d_model)  # down, transposed: neuron-major
-        assert get_tensor(gm, cold.args[4]).is_contiguous()
-        assert (hot.args[5] is None) == (mode == "none")
+        assert get_tensor(gm, hot["w_up"]).shape == (n_hot, layer.d_model)
+        assert get_tensor(gm, cold["w_down_t"]).shape == (n_cold, layer.d_model)  # down, transposed: neuron-major
+        assert get_tensor(gm, cold["w_down_t"]).is_contiguous()
+        assert (hot["mask"] is None) == (mode == "none")
     if key == ("llama", "relu"):
         assert 0 < ctx.ffn_layers[0].stats["n_hot"] < 192
     after = decode_logits(gm, ctx, ids)

@@ -8,6 +8,7 @@ import torch
 
 from picompile.ir.graph import get_tensor
 from picompile.ir.ops import oracle_mask
+from picompile.ir.schema import arg
 from picompile.testing import context_for, run_passes
 
 
@@ -35,8 +36,9 @@ def test_predictors_find_active_neurons(kind: str, checkpoints: dict, tmp_path: 
         cal = ctx.calibration[layer.index]
         gen = torch.Generator().manual_seed(123)
         x = cal.x[:512] + 0.05 * cal.x.std() * torch.randn(512, 64, generator=gen)
-        node = next(n for n in gm.graph.nodes if n.target == torch.ops.picompile.ffn.default and n.args[7] == layer.index)
-        w, b = get_tensor(gm, node.args[1]), get_tensor(gm, node.args[2])  # fc1 rows and bias
+        node = next(n for n in gm.graph.nodes
+                    if n.target == torch.ops.picompile.ffn.default and arg(n, "layer") == layer.index)
+        w, b = get_tensor(gm, arg(node, "w_up")), get_tensor(gm, arg(node, "b_up"))  # fc1 rows and bias
         true = oracle_mask(x, w, b, "relu", 0.0, layer.index)
         with torch.no_grad():
             got = pred.mask(x)
