@@ -162,24 +162,29 @@ def dynamic_import_uses(source: str) -> list[int]:
 
 
 # -- positional op arguments --------------------------------------------------------------------------
-# Modules that index `.args` by position only on aten / getitem / output nodes (picompile ops do not exist
-# yet where they run, or are not what they index). Everything else reads picompile op arguments by name.
+# Positions are fine on nodes that are not picompile ops; the scan recognises two such cases by themselves:
+# a node guarded by `if X.target is / == / in <aten…>:` (X's args in that test and body), and the graph's
+# output node (a name bound to an expression that tests `… == "output"`). Modules whose aten matching has no
+# such guard at the subscript are listed here; everything else reads picompile op arguments by name.
 POSITIONAL_ALLOWED: dict[str, str] = {
-    "passes/canonicalize_ffn.py": "matches aten linear / matmul / addmm / activation subgraphs before any "
-                                  "picompile op exists",
-    "passes/fold_kv_repeat.py": "rewrites aten sdpa(reshape(expand(unsqueeze(k)))) chains",
-    "runtime/kv_cache.py": "reads aten.cat nodes and the graph's output node",
-    "picompile/tools/evaluate.py": "reads the graph's output node (out.args[0], the results tuple)",
+    "passes/canonicalize_ffn.py": "matches aten linear / matmul / addmm / activation subgraphs, before any "
+                                  "picompile op exists, through helpers (_other, match_activation)",
+    "passes/fold_kv_repeat.py": "follows aten sdpa(reshape(expand(unsqueeze(k)))) chains after a negated guard",
+    "runtime/kv_cache.py": "reads aten.cat nodes (`_CAT`) and their list of parts",
 }
 POSITIONAL_SCANNED: tuple[str, ...] = ("passes", "runtime", "picompile/tools", "picompile/formats")
 
 
 def _int_constants(tree: ast.Module) -> set[str]:
     """Module-level names bound to an integer literal (`PART_MASK_ARG: int = 5`): positions under a name."""
-    names = set()
+    names: set[str] = set()
     for stmt in tree.body:
-        targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] if isinstance(stmt, ast.AnnAssign) else []
-        value = getattr(stmt, "value", None)
+        if isinstance(stmt, ast.Assign):
+            targets, value = stmt.targets, stmt.value
+        elif isinstance(stmt, ast.AnnAssign):
+            targets, value = [stmt.target], stmt.value
+        else:
+            continue
         if isinstance(value, ast.Constant) and type(value.value) is int:
             names |= {t.id for t in targets if isinstance(t, ast.Name)}
     return names
@@ -194,13 +199,48 @@ def _is_position(node: ast.expr | None, constants: set[str]) -> bool:
         (isinstance(node, ast.Name) and node.id in constants)
 
 
+def _aten_guarded(tree: ast.Module) -> set[int]:
+    """ids of the `X.args[…]` subscripts inside `if X.target is / == / in <…aten…>:` (its test and body)."""
+    guarded: set[int] = set()
+    for branch in (n for n in ast.walk(tree) if isinstance(n, ast.If)):
+        tests = branch.test.values if isinstance(branch.test, ast.BoolOp) else [branch.test]
+        names = {t.left.value.id for t in tests
+                 if isinstance(t, ast.Compare) and isinstance(t.left, ast.Attribute) and t.left.attr == "target"
+                 and isinstance(t.left.value, ast.Name) and isinstance(t.ops[0], (ast.Is, ast.Eq, ast.In))
+                 and "aten" in ast.unparse(t.comparators[0])}
+        for part in [branch.test, *branch.body]:
+            guarded |= {id(sub) for sub in ast.walk(part) if _args_subscript_of(sub) in names}
+    return guarded
+
+
+def _output_nodes(tree: ast.Module) -> set[str]:
+    """Names bound to the graph's output node: `out = next(n for n in g.nodes if n.op == "output")`."""
+    return {stmt.targets[0].id for stmt in ast.walk(tree)
+            if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
+            and any(isinstance(c, ast.Compare) and any(isinstance(x, ast.Constant) and x.value == "output"
+                                                       for x in [c.left, *c.comparators])
+                    for c in ast.walk(stmt.value))}
+
+
+def _args_subscript_of(node: ast.AST) -> str | None:
+    """X when ``node`` is `X.args[…]` with X a plain name (None otherwise)."""
+    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "args" \
+            and isinstance(node.value.value, ast.Name):
+        return node.value.value.id
+    return None
+
+
 def positional_args(source: str) -> list[tuple[int, str]]:
-    """(line, text) of every `X.args[<int>]` / `X.args[<int>:…]` / `X.args[:<int>]` subscript."""
+    """(line, text) of every `X.args[<int>]` / `X.args[<int>:…]` / `X.args[:<int>]` subscript, the integer
+    a literal or a module-level integer constant, except on aten-guarded and output nodes (see above). (The
+    scan cannot tell an fx node from, say, an exception: read an exception's message with `str(e)`.)"""
     tree = ast.parse(source)
-    constants = _int_constants(tree)
+    constants, guarded, outputs = _int_constants(tree), _aten_guarded(tree), _output_nodes(tree)
     found = []
     for node in ast.walk(tree):
         if not (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "args"):
+            continue
+        if id(node) in guarded or _args_subscript_of(node) in outputs:
             continue
         s = node.slice
         bounds = [s.lower, s.upper] if isinstance(s, ast.Slice) else [s]
@@ -274,17 +314,42 @@ def test_picompile_op_arguments_are_read_by_name() -> None:
 
 
 # -- the scanners themselves catch what they are for ---------------------------------------------------
-def test_scanners_catch_what_they_look_for() -> None:
+def test_pass_import_scan_sees_imports_inside_functions() -> None:
     src = "from picompile.passes.registry import register_pass\ndef f():\n    from picompile.passes import split_ffn\n"
-    assert pass_import_violations(src, "picompile.passes.fuse") == ["picompile.passes.fuse:3 imports picompile.passes.split_ffn"]
+    assert pass_import_violations(src, "picompile.passes.fuse") == [
+        "picompile.passes.fuse:3 imports picompile.passes.split_ffn"]
+
+
+def test_import_scan_resolves_relative_imports() -> None:
     rel = imported_names("from ..runtime import loader\nfrom . import x\n", "picompile.formats.onnx_export")
     assert rel == [("picompile.runtime.loader", 1), ("picompile.formats.x", 2)]
     assert imported_names("from . import ops\n", "picompile.ir", is_package=True) == [("picompile.ir.ops", 1)]
-    assert dynamic_import_uses("import importlib\nm = importlib.import_module('picompile.cli.' + n)\n") == [2]
-    pos = positional_args("K: int = 5\na = n.args[0]\nb = n.args[1:K]\nc = n.args[K + 1:]\nd = n.args[i]\n"
-                          "e = n.args[:3]\nf = n.kwargs['x']\n")
-    assert [line for line, _ in pos] == [2, 3, 4, 6]
-    table = "x\n## Code layout\n\n| package | what |\n|---|---|\n| `picompile.ir` (`picompile/ir/`) | `picompile.x` |\n" \
-            "| `picompile.passes` = `passes/` | y |\n\n## Next\n| `picompile.z` | |\n"
-    assert layout_table_packages(table) == {"picompile.ir", "picompile.passes"}
     assert within("picompile.passes.x", "picompile.passes") and not within("picompile.passes_x", "picompile.passes")
+
+
+def test_dynamic_import_scan() -> None:
+    assert dynamic_import_uses("import importlib\nm = importlib.import_module('picompile.cli.' + n)\n") == [2]
+    assert dynamic_import_uses("from importlib import import_module\n__import__('x')\n") == [1, 2]
+    assert dynamic_import_uses("from picompile.cli import build\n") == []
+
+
+def test_positional_scan_sees_literals_constants_and_slices() -> None:
+    src = ("K: int = 5\na = n.args[0]\nb = n.args[1:K]\nc = n.args[K + 1:]\nd = n.args[i]\n"
+           "e = n.args[:3]\nf = n.kwargs['x']\ng = n.args[-1]\n")
+    assert [line for line, _ in positional_args(src)] == [2, 3, 4, 6, 8]
+
+
+def test_positional_scan_spares_aten_guarded_and_output_nodes_only() -> None:
+    src = ("if n.target is aten.embedding.default:\n    w = n.args[0]\n"          # 2: aten, spared
+           "if n.target == aten.permute.default and list(n.args[1]) == [1, 0]:\n    x = 1\n"  # 3: spared
+           "if is_picompile_op(n.target, 'merge'):\n    h = n.args[0]\n"         # 6: picompile op
+           "if n.target is aten.mm.default:\n    y = m.args[0]\n"                # 8: another node
+           "out = next(x for x in g.nodes if x.op == 'output')\nr = out.args[0]\nq = other.args[0]\n")
+    assert [line for line, _ in positional_args(src)] == [6, 8, 11]
+
+
+def test_layout_table_parse_reads_the_first_column_of_its_section_only() -> None:
+    table = ("x `picompile.a`\n## Code layout\n\n| package | what |\n|---|---|\n"
+             "| `picompile.ir` (`picompile/ir/`) | `picompile.x` |\n| `picompile.passes` = `passes/` | y |\n\n"
+             "## Next\n| `picompile.z` | |\n")
+    assert layout_table_packages(table) == {"picompile.ir", "picompile.passes"}
