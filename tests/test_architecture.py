@@ -5,8 +5,9 @@
 * passes never import each other (only `picompile.passes.registry`);
 * no lower layer imports an upper one (imports inside functions count too);
 * the CLI finds its subcommands by plain imports, never `importlib.import_module`;
-* picompile op arguments are read by name (`picompile.ir.schema`), never by position: no `X.args[<int>]`
-  outside the modules that only index aten / output nodes.
+* picompile op arguments are read by name (`picompile.ir.schema`), never by position: no `X.args[<int>]` in
+  passes/, runtime/, picompile/tools/, picompile/formats/ but on aten-guarded or output nodes, or in the
+  few allowlisted modules that match aten patterns (POSITIONAL_ALLOWED).
 
 Nothing here imports picompile: the source is parsed, not executed.
 """
