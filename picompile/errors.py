@@ -1,6 +1,9 @@
 """User-facing errors: the CLI prints their message and exits non-zero, without a traceback."""
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 
 class PicompileError(Exception):
     """Base class for every error caused by user input (bad path, model, artifact, budget …)."""
@@ -34,3 +37,18 @@ class BudgetError(PicompileError):
 
 class InputError(PicompileError):
     """Bad runtime input: a prompt longer than the context, an empty prompt, an unknown token id."""
+
+
+@contextlib.contextmanager
+def named_step(kind: str, name: str) -> Iterator[None]:
+    """Errors raised inside one named step of a pipeline (a build pass, a load step) say which step: a
+    PicompileError is reworded "<kind> <name>: …" (a PassError already names it), any other exception gets a note."""
+    try:
+        yield
+    except PassError:
+        raise
+    except PicompileError as e:
+        raise type(e)(f"{kind} {name}: {e}") from None
+    except Exception as e:
+        e.add_note(f"picompile: raised in {kind} {name!r}")
+        raise

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 from torch import fx
 
 from picompile.context import BuildContext
-from picompile.errors import PassError, PicompileError
+from picompile.errors import PassError, PicompileError, named_step
 from picompile.ir.graph import format_graph, lint
 
 # PowerInfer's offline half: profile → predictors → placement → predictor nodes → hot/cold split
@@ -66,15 +66,8 @@ def run_pipeline(
         if on_pass is not None:
             on_pass(name, i, len(names))
         start = time.perf_counter()
-        try:
+        with named_step("pass", name):
             gm = PASSES[name].fn(gm, ctx)
-        except PassError:
-            raise
-        except PicompileError as e:
-            raise type(e)(f"pass {name}: {e}") from None
-        except Exception as e:
-            e.add_note(f"picompile: raised in pass {name!r}")
-            raise
         ctx.pass_times[name] = time.perf_counter() - start
         if gm is None:
             raise PassError(f"pass {name} returned no graph")

@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import fx
 
-from picompile.errors import InputError, PassError, PicompileError
+from picompile.errors import InputError, PassError, PicompileError, named_step
 from picompile.ir.graph import format_graph, lint
 
 ROLES: tuple[str, ...] = ("graph", "prefill", "decode")
@@ -177,15 +177,8 @@ class LoadRun:
 
     def _run_one(self, state: LoadState, step: LoadStep) -> None:
         start = time.perf_counter()
-        try:
+        with named_step("load step", step.name):
             step.fn(state)
-        except PassError:
-            raise
-        except PicompileError as e:
-            raise type(e)(f"load step {step.name}: {e}") from None
-        except Exception as e:
-            e.add_note(f"picompile: raised in load step {step.name!r}")
-            raise
         self.seconds[step.name] = time.perf_counter() - start
         self.done += 1
         graphs = state.graphs(step.writes)
