@@ -9,7 +9,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import fx
 
-from picompile.formats.artifact import Manifest
+from picompile.formats.archive import check_graph_archive
+from picompile.formats.artifact import Manifest, verify_listed
+from picompile.formats.paths import listed
 from picompile.errors import ArtifactError
 from picompile.ir.graph import drop_metadata_asserts, flatten_codegen, placeholders, shared_copy
 from picompile.ir.ops import call_directly  # importing picompile.ir.ops registers the ops the graph calls
@@ -85,11 +87,13 @@ def load_graph(root: Path, manifest: Manifest, dense: bool = False, hybrid: str 
     torch.export's metadata asserts dropped — for running, not for exporting or printing the graph.
     """
     g = manifest.graph
+    gfile = listed(root, g["file"], manifest.files, "graph.file")
+    check_graph_archive(gfile)  # nothing in it is unpickled, exec'd or eval'd (formats/archive.py)
     try:
-        ep = torch.export.load(root / g["file"])
+        ep = torch.export.load(gfile)
     except Exception as e:
-        raise ArtifactError(f"cannot read the graph {root / g['file']}: {type(e).__name__}: {e}") from None
-    wfile = root / manifest.weights["file"]
+        raise ArtifactError(f"cannot read the graph {gfile}: {type(e).__name__}: {str(e)[:200]}") from None
+    wfile = listed(root, manifest.weights["file"], manifest.files, "weights.file")
     try:
         tensors = load_file(str(wfile))
     except (SafetensorError, OSError) as e:
@@ -97,7 +101,7 @@ def load_graph(root: Path, manifest: Manifest, dense: bool = False, hybrid: str 
     missing = [k for k in g["weights"] if k not in tensors]
     if missing:
         raise ArtifactError(f"{wfile} lacks {len(missing)} tensors the manifest names, e.g. {missing[:3]}")
-    load_kernels(root, manifest.sections.get("kernels") or [])
+    load_kernels(root, manifest.sections.get("kernels") or [], manifest)
     gm = ep.module()
     gm = flatten_codegen(gm)
     if manifest.sections.get("kernels"):
@@ -125,10 +129,14 @@ def stale_kernels(entries: list[dict[str, Any]]) -> list[str]:
     arguments differently, and must be rebuilt."""
     from picompile.kernels import KernelSpec
 
-    return [str(e["file"]) for e in entries if KernelSpec(**e["spec"]).key() != e["key"]]
+    try:
+        return [str(e["file"]) for e in entries if KernelSpec(**e["spec"]).key() != e["key"]]
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        raise ArtifactError(f"manifest field sections.kernels holds a kernel spec this picompile cannot read "
+                            f"({type(e).__name__}: {str(e)[:120]})") from None
 
 
-def load_kernels(root: Path, entries: list[dict[str, Any]]) -> None:
+def load_kernels(root: Path, entries: list[dict[str, Any]], manifest: Manifest | None = None) -> None:
     """Load the kernels a manifest lists ("kernels") into picompile.ir.ops.KERNEL_TABLE (TVM runtime only).
 
     CUDA kernels are loaded only where a CUDA device is present.
@@ -150,7 +158,12 @@ def load_kernels(root: Path, entries: list[dict[str, Any]]) -> None:
             continue
         if entry["key"] in KERNEL_TABLE:
             continue
+        path = root / entry["file"]
+        if manifest is not None:  # native code: confined, listed and its sha256 checked before dlopen, always
+            path = verify_listed(root, manifest, entry["file"], f"sections.kernels {entry['key']} file")
+            verify_listed(root, manifest, Path(entry["file"]).with_suffix(".json").as_posix(),
+                          f"sections.kernels {entry['key']} metadata")
         try:
-            KERNEL_TABLE[entry["key"]] = load_kernel(root / entry["file"], spec)
+            KERNEL_TABLE[entry["key"]] = load_kernel(path, spec)
         except Exception as e:
             raise ArtifactError(f"cannot load kernel {entry['file']} of {root}: {type(e).__name__}: {e}") from None

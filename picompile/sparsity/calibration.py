@@ -11,7 +11,8 @@ import torch
 
 from picompile.errors import PicompileError
 
-DEFAULT_TEXT: Path = Path(__file__).parent / "data" / "default_model" / "calibration.txt"
+# the embedded default model's calibration text (package data of picompile, not of this subpackage)
+DEFAULT_TEXT: Path = Path(__file__).resolve().parents[1] / "data" / "default_model" / "calibration.txt"
 TOKEN_SUFFIXES: tuple[str, ...] = (".npy", ".json")
 
 

@@ -533,7 +533,9 @@ def run_bench(
     if prompt_len + tokens > session.max_seq_len:
         raise PicompileError(f"--prompt-len {prompt_len} + --tokens {tokens} exceed this artifact's context "
                              f"({session.max_seq_len} tokens)")
-    source = str(manifest.model.get("source") or "")
+    from picompile.formats.provenance import resolve_source
+
+    source = resolve_source(manifest.model) or str(manifest.model.get("source") or "")
     if not source or not Path(source).exists():
         raise PicompileError(f"the artifact's source model {source!r} is not present here; the PyTorch baseline needs it")
     emit(f"loading the PyTorch baseline {source} (in a process of its own)")
