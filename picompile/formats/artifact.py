@@ -192,8 +192,8 @@ def staged_output(output: Path) -> Iterator[Path]:
     output = Path(output).absolute()
     if output.exists() or output.is_symlink():
         if not is_artifact(output) and not (output.is_dir() and not any(output.iterdir())):
-            raise PicompileError(f"output {output} exists and is not a picompile artifact (its manifest.json, if "
-                                 f"any, does not say \"format\": \"{FORMAT}\"); refusing to overwrite it")
+            raise PicompileError(f"output {output} exists and is not a picompile artifact; refusing to overwrite it "
+                                 f"(only a directory whose manifest.json says \"format\": \"{FORMAT}\" is replaced)")
     output.parent.mkdir(parents=True, exist_ok=True)
     sweep_stale(output.parent)
     with termination_as_interrupt():

@@ -17,12 +17,15 @@ LAYER_COLUMNS: list[str] = ["n_hot", "n_cold", "predictor_kind", "predictor_rank
 
 
 def summary_json(root: Path, m: Manifest) -> dict[str, Any]:
+    from picompile.formats.artifact import content_hash
+
     return {
         "artifact": str(root),
         "format": m.format,
         "format_version": m.format_version,
         "picompile_version": m.picompile_version,
         "created": m.created,
+        "content_hash": content_hash(root),  # sha256 of the manifest without "created": equal for equal builds
         "model": {k: v for k, v in m.model.items() if k != "config"},
         "target": m.target,
         "build": m.build,

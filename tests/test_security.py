@@ -1,0 +1,478 @@
+"""An artifact is data, not code (issue #22): each finding reproduced on a copy of a built artifact.
+
+1 pickle / exec / eval through graph.pt2 · 2 paths outside the artifact · 3 kernels dlopen'd unchecked ·
+4 build -o replacing a non-artifact · 5 interrupted builds leaving .partial dirs · 6 malformed manifests
+and numeric options · 7 absurd model configs · 8 reproducible builds. The fuzz test is in test_security_fuzz.py.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import pickle
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+import picompile
+from picompile.cli import main
+from picompile.errors import ArtifactError, ModelLoadError, PicompileError
+
+PACKAGE_DIRS = [Path(picompile.__file__).parent, *(Path(picompile.__file__).parents[1] / d for d in ("passes", "runtime", "kernels"))]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def copy_artifact(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def manifest_of(art: Path) -> dict[str, Any]:
+    return json.loads((art / "manifest.json").read_text())
+
+
+def write_manifest(art: Path, m: dict[str, Any], resum: bool = True) -> None:
+    """Write ``m`` as the manifest, with every listed file's size and sha256 recomputed (as an attacker would)."""
+    if resum:
+        for rel in m.get("files", {}):
+            p = art / rel
+            if p.is_file() and not p.is_symlink():
+                m["files"][rel] = {"sha256": hashlib.sha256(p.read_bytes()).hexdigest(), "bytes": p.stat().st_size}
+    (art / "manifest.json").write_text(json.dumps(m, indent=1))
+
+
+def rewrite_graph(art: Path, edit: Callable[[dict[str, bytes]], None]) -> None:
+    """Rewrite graph.pt2's members (name -> bytes) through ``edit``, stored uncompressed as torch writes them."""
+    path = art / "graph.pt2"
+    with zipfile.ZipFile(path) as zf:
+        members = {i.filename: zf.read(i) for i in zf.infolist()}
+    edit(members)
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+    write_manifest(art, manifest_of(art))
+
+
+def fails(args: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> str:
+    rc = main(args)
+    err = " ".join(capsys.readouterr().err.split())
+    assert rc == 2 and needle in err, err
+    assert "Traceback" not in err
+    return err
+
+
+class Payload:
+    """Unpickling it creates ``marker`` (stands for arbitrary code)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path.touch, (self.marker,))
+
+
+# ----------------------------------------------------------------------------- 1. no pickle, exec or eval
+
+def test_crafted_sample_inputs_do_not_run(default_artifact: Path, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    art = copy_artifact(default_artifact, tmp_path / "evil.pic")
+    marker = tmp_path / "pwned"
+    rewrite_graph(art, lambda m: m.update({"graph/data/sample_inputs/model.pt": pickle.dumps(Payload(marker))}))
+    # the finding: torch.export.load itself runs the payload (weights_only=True fails, the fallback unpickles)
+    import torch
+
+    try:
+        torch.export.load(art / "graph.pt2")
+    except Exception:
+        pass
+    assert marker.exists(), "the crafted archive no longer reproduces the finding on this torch"
+    marker.unlink()
+    fails(["run", str(art), "--ids", "1,2", "-n", "1"], "refusing the graph graph.pt2: member "
+          "graph/data/sample_inputs/model.pt holds pickled sample inputs", capsys)
+    fails(["inspect", str(art), "--graph"], "refusing the graph graph.pt2", capsys)
+    fails(["run", str(art), "--ids", "1", "--no-verify"], "refusing the graph", capsys)
+    assert not marker.exists()
+
+
+def _model_json(edit: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, bytes]], None]:
+    def apply(members: dict[str, bytes]) -> None:
+        model = json.loads(members["graph/models/model.json"])
+        edit(model)
+        members["graph/models/model.json"] = json.dumps(model).encode()
+    return apply
+
+
+def _first_node(model: dict[str, Any]) -> dict[str, Any]:
+    return model["graph_module"]["graph"]["nodes"][0]
+
+
+def _set_expr(model: dict[str, Any], expr: str) -> None:
+    from picompile.formats.archive import walk
+
+    for key, value in walk(model):
+        if isinstance(value, dict) and "expr_str" in value:
+            value["expr_str"] = expr
+            return
+    raise AssertionError("no shape expression in the graph")
+
+
+EVIL = "__import__('pathlib').Path('{marker}').touch()"
+CRAFTED: dict[str, tuple[Callable[[Path], Callable[[dict[str, bytes]], None]], str]] = {
+    "opaque constant": (lambda mk: lambda m: m.update({
+        "graph/data/constants/model_constants_config.json": json.dumps({"config": {"c": {
+            "path_name": "opaque_obj_0", "is_param": False, "use_pickle": True, "tensor_meta": None}}}).encode(),
+        "graph/data/constants/opaque_obj_0": pickle.dumps(Payload(mk))}), "is not one picompile writes"),
+    "use_pickle weight": (lambda mk: lambda m: m.update({
+        "graph/data/weights/model_weights_config.json": json.dumps({"config": {"w": {
+            "path_name": "weight_0", "is_param": True, "use_pickle": True, "tensor_meta": None}}}).encode(),
+        "graph/data/weights/weight_0": pickle.dumps(Payload(mk))}), "would be unpickled (use_pickle)"),
+    "legacy weights file": (lambda mk: lambda m: m.update({"graph/data/weights/model.pt": pickle.dumps(Payload(mk))}),
+                            "is not one picompile writes"),
+    "guards code": (lambda mk: _model_json(lambda j: j.update({"guards_code": [EVIL.format(marker=mk)]})),
+                    "is not a comparison of input sizes"),
+    "sympy expression": (lambda mk: _model_json(lambda j: _set_expr(j, EVIL.format(marker=mk))),
+                         "is not a plain sympy expression"),
+    "callable target": (lambda mk: _model_json(lambda j: _first_node(j).update({"target": "torch.load"})),
+                        "node target 'torch.load' is not an aten or picompile operator"),
+    "aten.from_file": (lambda mk: _model_json(lambda j: _first_node(j).update(
+        {"target": "torch.ops.aten.from_file.default"})), "is not an aten or picompile operator"),
+    "extra member": (lambda mk: lambda m: m.update({"graph/extra/notes.txt": b"hi"}), "is not one picompile writes"),
+}
+
+
+@pytest.mark.parametrize("name", list(CRAFTED))
+def test_crafted_graph_refused(name: str, default_artifact: Path, tmp_path: Path,
+                               capsys: pytest.CaptureFixture[str]) -> None:
+    art = copy_artifact(default_artifact, tmp_path / "evil.pic")
+    marker = tmp_path / "pwned"
+    craft, needle = CRAFTED[name]
+    rewrite_graph(art, craft(marker))
+    err = fails(["run", str(art), "--ids", "1,2", "-n", "1"], needle, capsys)
+    assert err.count("error:") == 1
+    assert not marker.exists()
+
+
+def test_built_graph_passes_the_check(default_artifact: Path, artifacts: dict) -> None:
+    from picompile.formats.archive import check_graph_archive
+
+    for art in [default_artifact, *artifacts.values()]:
+        check_graph_archive(art / "graph.pt2")  # what picompile writes is what it reads
+
+
+def test_no_pickle_in_the_load_path() -> None:
+    """No module of the package imports pickle or calls torch.load without weights_only=True."""
+    pattern = re.compile(r"^\s*(import|from)\s+(c?pickle|dill|cloudpickle)\b|pickle\.loads?\(|_pickle_load|"
+                         r"torch\.load\((?![^)]*weights_only\s*=\s*True)", re.M)
+    hits = [f"{p}:{m.group(0)}" for d in PACKAGE_DIRS for p in sorted(d.rglob("*.py"))
+            for m in pattern.finditer(p.read_text())]
+    assert hits == []
+
+
+# ----------------------------------------------------------------------------- 2. paths confined to the artifact
+
+@pytest.fixture()
+def secret(tmp_path: Path) -> Path:
+    s = tmp_path / "outside" / "secret.txt"
+    s.parent.mkdir()
+    s.write_text("the user's secret\n")
+    return s
+
+
+def _set(m: dict[str, Any], path: str, value: Any) -> None:
+    keys = [int(k) if k.isdigit() else k for k in path.split(".")]
+    obj: Any = m
+    for k in keys[:-1]:
+        obj = obj[k]
+    obj[keys[-1]] = value
+
+
+@pytest.mark.parametrize("field", ["graph.file", "weights.file", "sections.kernels.0.file", "tokenizer.files.0"])
+@pytest.mark.parametrize("form", ["absolute", "dotdot"])
+def test_manifest_paths_confined(field: str, form: str, default_artifact: Path, tmp_path: Path, secret: Path,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    art = copy_artifact(default_artifact, tmp_path / "a.pic")
+    m = manifest_of(art)
+    value = str(secret) if form == "absolute" else "../outside/secret.txt"
+    _set(m, field, value)
+    write_manifest(art, m)
+    needle = "absolute path" if form == "absolute" else "leaves or escapes the artifact"
+    fails(["run", str(art), "--ids", "1", "-n", "1"], f"manifest field {field.split('.0')[0]}", capsys)
+    with pytest.raises(ArtifactError, match=needle):
+        picompile.load(art)
+
+
+def test_files_table_is_no_oracle(default_artifact: Path, tmp_path: Path, secret: Path,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """A files entry naming an outside file is refused for its path, whatever the checksum says."""
+    art = copy_artifact(default_artifact, tmp_path / "a.pic")
+    m = manifest_of(art)
+    for guess in (secret.read_bytes(), b"wrong guess"):
+        m["files"]["../outside/secret.txt"] = {"sha256": hashlib.sha256(guess).hexdigest(), "bytes": len(guess)}
+        write_manifest(art, m, resum=False)
+        err = fails(["inspect", str(art)], "leaves or escapes the artifact", capsys)
+        assert "checksum" not in err
+
+
+def test_symlink_out_of_the_artifact(default_artifact: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    art = copy_artifact(default_artifact, tmp_path / "a.pic")
+    outside = tmp_path / "outside.safetensors"
+    shutil.move(art / "weights.safetensors", outside)
+    (art / "weights.safetensors").symlink_to(outside)  # same bytes, same checksum: only the path gives it away
+    fails(["run", str(art), "--ids", "1", "-n", "1"], "resolves outside the artifact (a symlink leaves it)", capsys)
+
+
+def test_unlisted_file_is_not_opened(default_artifact: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    art = copy_artifact(default_artifact, tmp_path / "a.pic")
+    shutil.copy(art / "weights.safetensors", art / "other.safetensors")
+    m = manifest_of(art)
+    m["weights"]["file"] = "other.safetensors"
+    write_manifest(art, m)
+    fails(["run", str(art), "--ids", "1", "-n", "1"], "which its files table does not list", capsys)
+
+
+# ----------------------------------------------------------------------------- 3. kernels checked before dlopen
+
+@pytest.fixture(scope="module")
+def constructor_library(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A shared library whose constructor creates a marker file (what a swapped kernel would run)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the stand-in library")
+    d = tmp_path_factory.mktemp("so")
+    marker = d / "constructor-ran"
+    (d / "evil.c").write_text('#include <stdio.h>\n__attribute__((constructor)) static void run(void) '
+                              f'{{ FILE *f = fopen("{marker}", "w"); if (f) fclose(f); }}\n')
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(d / "evil.so"), str(d / "evil.c")], check=True)
+    return d / "evil.so", marker
+
+
+@pytest.mark.parametrize("how", ["no-verify", "unlisted", "outside"])
+def test_swapped_kernel_not_loaded(how: str, default_artifact: Path, tmp_path: Path,
+                                   constructor_library: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    from picompile.ir.ops import KERNEL_TABLE
+
+    lib, marker = constructor_library
+    art = copy_artifact(default_artifact, tmp_path / "a.pic")
+    m = manifest_of(art)
+    entry = m["sections"]["kernels"][0]
+    saved = dict(KERNEL_TABLE)
+    KERNEL_TABLE.clear()  # as in a fresh process: nothing loaded yet
+    try:
+        if how == "no-verify":  # the library swapped (same size), the manifest untouched, checksums skipped
+            target = art / entry["file"]
+            evil, size = lib.read_bytes(), target.stat().st_size
+            if len(evil) > size:
+                pytest.skip("the stand-in library is larger than the kernel it would replace")
+            target.write_bytes(evil + b"\0" * (size - len(evil)))
+            fails(["run", str(art), "--ids", "1", "-n", "1", "--no-verify"], f"checksum mismatch for {entry['file']}",
+                  capsys)
+        elif how == "unlisted":
+            shutil.copy(lib, art / "kernels" / "extra.so")
+            shutil.copy(art / entry["file"].replace(".so", ".json"), art / "kernels" / "extra.json")
+            entry["file"] = "kernels/extra.so"
+            write_manifest(art, m)
+            fails(["run", str(art), "--ids", "1", "-n", "1"], "which its files table does not list", capsys)
+        else:
+            entry["file"] = str(lib)
+            write_manifest(art, m)
+            fails(["run", str(art), "--ids", "1", "-n", "1"], "sections.kernels[0].file", capsys)
+    finally:
+        KERNEL_TABLE.clear()
+        KERNEL_TABLE.update(saved)
+    assert not marker.exists()
+
+
+# ----------------------------------------------------------------------------- 4. build -o never replaces user data
+
+@pytest.mark.parametrize("manifest", ['{"name": "my notes"}', '{"format": "other-tool"}', "not json", "[1, 2]"])
+def test_build_refuses_foreign_manifest(manifest: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "manifest.json").write_text(manifest)
+    (out / "thesis.tex").write_text("years of work")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    fails(["build", "-o", str(out), "-q"], "is not a picompile artifact; refusing to overwrite it", capsys)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["mine"]
+
+
+# ----------------------------------------------------------------------------- 5. interrupted builds leave nothing
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def _staging(parent: Path, name: str, pid: int, marker: bool = True) -> Path:
+    d = parent / f".{name}.{pid}.abc123.partial"
+    d.mkdir()
+    (d / "weights.safetensors").write_bytes(b"half")
+    if marker:
+        (d / ".picompile-partial").write_text(f"{pid}\n")
+    return d
+
+
+def test_stale_partials_swept_live_ones_kept(tmp_path: Path) -> None:
+    from picompile.formats.artifact import staged_output
+
+    dead = _staging(tmp_path, "out.pic", _dead_pid())
+    live = _staging(tmp_path, "other.pic", os.getpid())  # another build, still running
+    foreign = _staging(tmp_path, "x.pic", _dead_pid(), marker=False)  # not picompile's: no marker
+    with staged_output(tmp_path / "out.pic") as staging:
+        assert (staging / ".picompile-partial").read_text().strip() == str(os.getpid())
+        assert str(os.getpid()) in staging.name
+        (staging / "manifest.json").write_text('{"format": "picompile-artifact"}')
+    assert not dead.exists() and live.exists() and foreign.exists()
+    assert sorted(p.name for p in (tmp_path / "out.pic").iterdir()) == ["manifest.json"]  # the marker is gone
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_signal_cleans_up(sig: int, checkpoints: dict, tmp_path: Path) -> None:
+    out = tmp_path / "t.pic"
+    proc = subprocess.Popen([sys.executable, "-m", "picompile", "build", str(checkpoints[("llama", "relu")]), "-o",
+                             str(out), "-q", "--pipeline", "dense"], stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not any(p.name.endswith(".partial") for p in tmp_path.iterdir()):
+        assert proc.poll() is None and time.time() < deadline, "the build ended before its staging dir appeared"
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "Traceback" not in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+# ----------------------------------------------------------------------------- 6. malformed manifests, numeric options
+
+BAD_MANIFESTS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
+    "layers not a list": (lambda m: m.update(layers={"a": 1}), "manifest field layers must be a JSON list"),
+    "missing model": (lambda m: m.pop("model"), "lacks the fields model"),
+    "n_layers string": (lambda m: m["model"].update(n_layers="4"), "model.n_layers must be an integer in 1..4096"),
+    "negative heads": (lambda m: m["model"].update(n_kv_heads=-6), "model.n_kv_heads must be an integer"),
+    "huge context": (lambda m: (m["model"].update(max_seq_len=1 << 22), m["build"].update(max_seq_len=1 << 22),
+                                m["model"].update(n_layers=4096, head_dim=4096, n_kv_heads=4096)),
+                     "manifest field graph.n_past"),
+    "768 TB KV cache": (lambda m: (m["model"].update(max_seq_len=1 << 22, n_kv_heads=4096, head_dim=4096),
+                                   m["build"].update(max_seq_len=1 << 22), m["graph"].pop("kv_shape")),
+                        "manifest implies a KV cache of"),
+    "context beyond model": (lambda m: m["build"].update(max_seq_len=10 ** 6), "build.max_seq_len must be an integer"),
+    "n_past float": (lambda m: m["graph"].update(n_past=8.0), "graph.n_past must be an integer"),
+    "bad sha": (lambda m: m["files"]["graph.pt2"].update(sha256=7), "sha256 must be 64 lowercase hex digits"),
+    "negative bytes": (lambda m: m["files"]["graph.pt2"].update(bytes=-1), "bytes must be an integer in 0.."),
+    "layer d_model": (lambda m: m["layers"][0].update(d_model=7), "layers[0].d_model must be model.d_model"),
+    "kernel spec junk": (lambda m: m["sections"]["kernels"][0].update(spec={"kind": 3}), "kernel spec"),
+    "tokenizer kind": (lambda m: m["tokenizer"].update(kind="pickle"), "tokenizer.kind must be one of"),
+    "target nan": (lambda m: m["target"].update(cpu_bandwidth_gbs=float("nan")), "is not valid JSON"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_MANIFESTS))
+def test_malformed_manifest(name: str, default_artifact: Path, tmp_path: Path,
+                            capsys: pytest.CaptureFixture[str]) -> None:
+    art = copy_artifact(default_artifact, tmp_path / "a.pic")
+    m = manifest_of(art)
+    edit, needle = BAD_MANIFESTS[name]
+    edit(m)
+    write_manifest(art, m, resum=False)  # no file changed: the sums stand
+    err = fails(["run", str(art), "--ids", "1", "-n", "1"], needle, capsys)
+    assert err.count("error:") == 1
+
+
+BAD_OPTIONS: list[tuple[list[str], str]] = [
+    (["run", "A", "-n", "nan"], "argument -n: 'nan' is not an integer"),
+    (["run", "A", "-n", "-3"], "argument -n: -3 is out of range"),
+    (["run", "A", "--temperature", "inf"], "argument --temperature: 'inf' is not a finite number"),
+    (["run", "A", "--temperature", "-1"], "argument --temperature: -1 is out of range"),
+    (["run", "A", "--top-k", "-5"], "argument --top-k"),
+    (["run", "A", "--seed", "-1"], "argument --seed"),
+    (["build", "--act-sparsity", "nan"], "argument --act-sparsity: 'nan' is not a finite number"),
+    (["build", "--vram-budget", "inf"], "argument --vram-budget"),
+    (["build", "--vram-budget", "-2"], "argument --vram-budget"),
+    (["build", "--max-seq-len", "1"], "argument --max-seq-len: 1 is out of range"),
+    (["build", "--recall-target", "0"], "argument --recall-target"),
+    (["build", "--calibration-tokens", "1e3"], "argument --calibration-tokens: '1e3' is not an integer"),
+    (["eval", "A", "--limit", "0"], "argument --limit"),
+    (["plan", "opt-30b", "--context", "-1"], "argument --context"),
+    (["plan", "opt-30b", "--sparsity", "2"], "argument --sparsity"),
+    (["bench", "A", "--tokens", "0"], "argument --tokens"),
+]
+
+
+@pytest.mark.parametrize("args,needle", BAD_OPTIONS)
+def test_bad_numeric_options(args: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and needle in err, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("option,value", [("act_sparsity", float("nan")), ("vram_budget_gib", float("inf")),
+                                          ("calibration_tokens", 4096.5), ("seed", -1), ("max_seq_len", 10 ** 9)])
+def test_bad_build_config_values(option: str, value: Any, tmp_path: Path) -> None:
+    with pytest.raises(PicompileError, match="must be"):
+        picompile.build(None, output=tmp_path / "x.pic", emit=lambda s: None, **{option: value})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_non_utf8_prompt(default_artifact: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prompt = b"ROMEO \xff\xfe:".decode("utf-8", "surrogateescape")  # what Python makes of such argv bytes
+    fails(["run", str(default_artifact), "--prompt", prompt, "-n", "1"], "the prompt is not valid UTF-8", capsys)
+
+
+# ----------------------------------------------------------------------------- 7. absurd model configs
+
+@pytest.mark.parametrize("config,needle", [
+    ({"num_hidden_layers": 300_000, "hidden_size": 64}, "num_hidden_layers must be an integer in 1..4096"),
+    ({"num_hidden_layers": 4096, "hidden_size": 65536, "intermediate_size": 262144, "vocab_size": 32000},
+     "GiB of float32 weights to build; this machine has"),
+    ({"num_hidden_layers": 2, "hidden_size": -64}, "hidden_size must be an integer"),
+    ({"num_hidden_layers": 2, "hidden_size": 64, "vocab_size": "big"}, "vocab_size must be an integer"),
+])
+def test_absurd_config_refused_early(config: dict[str, Any], needle: str, checkpoints: dict, tmp_path: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    d = tmp_path / "ckpt"
+    shutil.copytree(checkpoints[("llama", "relu")], d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(config)
+    (d / "config.json").write_text(json.dumps(cfg))
+    start = time.perf_counter()
+    fails(["build", str(d), "-o", str(tmp_path / "a.pic"), "-q"], needle, capsys)
+    assert time.perf_counter() - start < 30
+    assert not (tmp_path / "a.pic").exists()
+
+
+# ----------------------------------------------------------------------------- 8. reproducible builds
+
+def test_builds_are_reproducible(default_artifact: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from picompile.builder import default_model
+
+    again = picompile.build(default_model(), output=tmp_path / "again.pic", emit=lambda s: None, progress=False)
+    files = sorted(p.relative_to(default_artifact).as_posix() for p in default_artifact.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(again).as_posix() for p in again.rglob("*") if p.is_file())
+    differ = [f for f in files if (default_artifact / f).read_bytes() != (again / f).read_bytes()]
+    assert differ in ([], ["manifest.json"])
+    a, b = manifest_of(default_artifact), manifest_of(again)
+    a.pop("created"), b.pop("created")
+    assert a == b
+    hashes = []
+    for art in (default_artifact, again):
+        assert main(["inspect", str(art), "--json"]) == 0
+        hashes.append(json.loads(capsys.readouterr().out)["content_hash"])
+    assert hashes[0] == hashes[1] and len(hashes[0]) == 64
+    # no path of the build machine in any file: the source is named by name and content hash
+    machine = [str(Path(default_model()).parent), str(tmp_path), str(Path.home()), str(Path(picompile.__file__).parents[1])]
+    for f in files:
+        data = (again / f).read_bytes()
+        assert not [p for p in machine if p.encode() in data], f
+    assert b["model"]["source"] == "default_model" and len(b["model"]["source_sha256"]) == 64
