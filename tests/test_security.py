@@ -2,7 +2,7 @@
 
 1 pickle / exec / eval through graph.pt2 · 2 paths outside the artifact · 3 kernels dlopen'd unchecked ·
 4 build -o replacing a non-artifact · 5 interrupted builds leaving .partial dirs · 6 malformed manifests
-and numeric options · 7 absurd model configs · 8 reproducible builds. The fuzz test is in test_security_fuzz.py.
+and numeric options · 7 absurd model configs · 8 reproducible builds; then a seeded fuzz test of the loader.
 """
 from __future__ import annotations
 
@@ -476,3 +476,239 @@ def test_builds_are_reproducible(default_artifact: Path, tmp_path: Path, capsys:
         data = (again / f).read_bytes()
         assert not [p for p in machine if p.encode() in data], f
     assert b["model"]["source"] == "default_model" and len(b["model"]["source_sha256"]) == 64
+
+
+# ----------------------------------------------------------------------------- fuzz: every case a one-line PicompileError
+
+HOSTILE_PATHS: list[str] = ["../outside/secret.txt", "{outside}/secret.txt", "kernels/../../outside/secret.txt",
+                            "./graph.pt2", "graph.pt2/", "..\\outside\\secret.txt", "C:/outside/secret.txt", "",
+                            "tokenizer//tokenizer.json", "../outside/weights.safetensors", "{outside}/graph.pt2", "\x00",
+                            "a" * 600]
+JUNK: list[Any] = [None, True, -1, 0, 2**63, 1e308, -0.5, "", "x", [], {}, [1, "a"], {"a": None}, "../outside/secret.txt"]
+
+
+def json_paths(obj: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    out = [prefix] if prefix else []
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out += json_paths(v, prefix + (k,))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj[:8]):
+            out += json_paths(v, prefix + (i,))
+    return out
+
+
+def set_path(obj: Any, path: tuple[Any, ...], value: Any) -> None:
+    for k in path[:-1]:
+        obj = obj[k]
+    obj[path[-1]] = value
+
+
+def path_fields(m: dict[str, Any]) -> list[tuple[Any, ...]]:
+    fields: list[tuple[Any, ...]] = [("graph", "file"), ("weights", "file"), ("sections", "profile", "file"),
+                                     ("sections", "placement", "file")]
+    fields += [("sections", "kernels", i, "file") for i in range(len(m["sections"].get("kernels", [])))]
+    fields += [("tokenizer", "files", i) for i in range(len(m["tokenizer"]["files"]))]
+    return fields
+
+
+class Case:
+    """One mutation of the artifact in ``work`` (restored from ``base`` before the next)."""
+
+    def __init__(self, rng: Any, base: Path, work: Path, outside: Path) -> None:
+        self.rng, self.base, self.work, self.outside = rng, base, work, outside
+        self.touched: list[str] = ["manifest.json"]
+        self.verify = rng.random() < 0.8
+        self.what = ""
+
+    def manifest(self) -> dict[str, Any]:
+        return json.loads((self.work / "manifest.json").read_text())
+
+    def hostile(self) -> str:
+        return self.rng.choice(HOSTILE_PATHS).format(outside=self.outside)
+
+    def apply(self, kind: str) -> None:
+        getattr(self, kind)()
+        self.what = f"{kind}: {self.what} (verify={self.verify})"
+
+    def bitflip_manifest(self) -> None:
+        data = bytearray((self.work / "manifest.json").read_bytes())
+        for _ in range(self.rng.randint(1, 8)):
+            i = self.rng.randrange(len(data))
+            data[i] ^= 1 << self.rng.randrange(8)
+        (self.work / "manifest.json").write_bytes(bytes(data))
+        self.what = "bits flipped"
+
+    def truncate_manifest(self) -> None:
+        data = (self.work / "manifest.json").read_bytes()
+        n = self.rng.randrange(len(data))
+        (self.work / "manifest.json").write_bytes(data[:n])
+        self.what = f"cut at {n}"
+
+    def retype(self) -> None:
+        m = self.manifest()
+        path = self.rng.choice(json_paths(m))
+        value = self.rng.choice(JUNK)
+        set_path(m, path, value)
+        write_manifest(self.work, m, resum=False)
+        self.what = f"{path} = {value!r}"
+
+    def repath(self) -> None:
+        m = self.manifest()
+        value = self.hostile()
+        if self.rng.random() < 0.3:  # a files entry of its own
+            m["files"][value] = {"sha256": hashlib.sha256(b"the user's secret\n").hexdigest(), "bytes": 18}
+            self.what = f"files[{value!r}]"
+        else:
+            path = self.rng.choice(path_fields(m))
+            set_path(m, path, value)
+            self.what = f"{path} = {value!r}"
+        write_manifest(self.work, m, resum=False)
+
+    def _victim(self, with_libraries: bool) -> str:
+        files = [f for f in self.manifest()["files"] if with_libraries or not f.endswith(".so")]
+        data = [f for f in MAIN_FILES if f in files]
+        rel = self.rng.choice(data if data and self.rng.random() < 0.6 else files)
+        self.touched.append(rel)
+        return rel
+
+    def damage_file(self, resum: bool) -> None:
+        rel = self._victim(with_libraries=not resum)  # a library with recomputed sums is trusted native code
+        p = self.work / rel
+        data = bytearray(p.read_bytes())
+        if self.rng.random() < 0.5 and data:
+            for _ in range(self.rng.randint(1, 16)):
+                i = self.rng.randrange(len(data))
+                data[i] ^= 1 << self.rng.randrange(8)
+            how = "bits flipped"
+        else:
+            data = data[:self.rng.randrange(max(1, len(data)))]
+            how = "truncated"
+        p.write_bytes(bytes(data))
+        m = self.manifest()
+        write_manifest(self.work, m, resum=resum)
+        self.what = f"{rel} {how}, sums {'recomputed' if resum else 'kept'}"
+
+    def damage_resummed(self) -> None:
+        self.damage_file(resum=True)
+
+    def damage_kept(self) -> None:
+        self.damage_file(resum=False)
+
+    def symlink_out(self) -> None:
+        rel = self._victim(with_libraries=True)
+        copy = self.outside / Path(rel).name
+        shutil.copy(self.work / rel, copy)
+        (self.work / rel).unlink()
+        (self.work / rel).symlink_to(copy)
+        self.what = f"{rel} -> {copy}"
+
+    def restore(self) -> None:
+        for rel in self.touched:
+            dst = self.work / rel
+            if dst.is_symlink() or dst.exists():
+                dst.unlink()
+            shutil.copy(self.base / rel, dst)
+
+
+KINDS: list[str] = ["bitflip_manifest", "truncate_manifest", "retype", "retype", "repath", "repath",
+                    "damage_resummed", "damage_kept", "symlink_out"]
+FUZZ_CASES: int = 150
+FUZZ_SECONDS: float = 45.0  # stop early past this (slow machine); at least FUZZ_MIN_CASES run
+FUZZ_MIN_CASES: int = 40
+MAIN_FILES: tuple[str, ...] = ("graph.pt2", "weights.safetensors", "tokenizer/tokenizer.json", "profile.safetensors",
+                               "placement.safetensors")
+
+
+@pytest.fixture()
+def guarded_openers(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Record every path the loader opens (Python opens via an audit hook; torch.export.load, safetensors,
+    kernel and tokenizer loads via wrappers); torch.export.load memoized per archive content (its result is
+    the same for the same bytes; it dominates a load's time)."""
+    import torch
+
+    import picompile.formats.tokenizers as tokenizers
+    import picompile.kernels as kernels
+    import picompile.runtime.loader as loader
+
+    state: dict[str, Any] = {"root": None, "opened": []}
+    if not getattr(sys, "_picompile_audit", None):
+        def hook(event: str, args: tuple[Any, ...]) -> None:
+            st = getattr(sys, "_picompile_audit")
+            if event == "open" and st["root"] is not None and isinstance(args[0], (str, bytes, os.PathLike)):
+                st["opened"].append(os.fsdecode(args[0]))
+        sys._picompile_audit = state  # type: ignore[attr-defined]
+        sys.addaudithook(hook)
+    else:
+        sys._picompile_audit = state  # type: ignore[attr-defined]
+
+    def record(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(path: Any, *args: Any, **kwargs: Any) -> Any:
+            state["opened"].append(os.fsdecode(path))
+            return fn(path, *args, **kwargs)
+        return wrapper
+
+    cache: dict[str, Any] = {}
+    real_load = torch.export.load
+
+    def export_load(path: Any, *args: Any, **kwargs: Any) -> Any:
+        state["opened"].append(os.fsdecode(path))
+        key = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+        if key not in cache:
+            cache[key] = real_load(path, *args, **kwargs)
+        return cache[key]
+
+    monkeypatch.setattr(torch.export, "load", export_load)
+    monkeypatch.setattr(loader, "load_file", record(loader.load_file))
+    monkeypatch.setattr(kernels, "load_kernel", record(kernels.load_kernel))
+    monkeypatch.setattr(tokenizers, "load_tokenizer", record(tokenizers.load_tokenizer))
+    yield state
+    state["root"] = None
+
+
+def test_fuzz_artifact(default_artifact: Path, tmp_path: Path, guarded_openers: dict[str, Any]) -> None:
+    import random
+
+    from picompile.ir.ops import KERNEL_TABLE
+
+    rng = random.Random(22)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.txt").write_text("the user's secret\n")
+    shutil.copy(default_artifact / "graph.pt2", outside / "graph.pt2")
+    shutil.copy(default_artifact / "weights.safetensors", outside / "weights.safetensors")
+    work = copy_artifact(default_artifact, tmp_path / "work.pic")
+    root = os.path.realpath(work)
+    saved = dict(KERNEL_TABLE)
+    outcomes: dict[str, int] = {"loaded": 0, "refused": 0}
+    problems: list[str] = []
+    start = time.perf_counter()
+    try:
+        for i in range(FUZZ_CASES):
+            case = Case(rng, default_artifact, work, outside)
+            case.apply(KINDS[i % len(KINDS)] if i < len(KINDS) else rng.choice(KINDS))
+            KERNEL_TABLE.clear()  # kernels are loaded (or refused) afresh, as in a new process
+            guarded_openers["opened"].clear()
+            guarded_openers["root"] = root
+            try:
+                picompile.load(work, verify=case.verify, hybrid="off")
+                outcomes["loaded"] += 1
+            except PicompileError as e:
+                outcomes["refused"] += 1
+                if "\n" in str(e) or not str(e):
+                    problems.append(f"{case.what}: a message of {str(e).count(chr(10)) + 1} lines")
+            except Exception as e:  # noqa: BLE001 - the test's point
+                problems.append(f"{case.what}: {type(e).__name__}: {str(e)[:200]}")
+            finally:
+                guarded_openers["root"] = None
+            escaped = sorted({p for p in guarded_openers["opened"] if os.path.realpath(p).startswith(str(outside))})
+            if escaped:
+                problems.append(f"{case.what}: opened {escaped}")
+            case.restore()
+            if time.perf_counter() - start > FUZZ_SECONDS and i + 1 >= FUZZ_MIN_CASES:
+                break
+    finally:
+        KERNEL_TABLE.clear()
+        KERNEL_TABLE.update(saved)
+    assert problems == []
+    assert outcomes["refused"] >= FUZZ_MIN_CASES // 2, outcomes
