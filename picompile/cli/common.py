@@ -1,7 +1,11 @@
 """What the subcommands share: the stderr console, comma-separated option lists and numeric option types."""
 from __future__ import annotations
 
-from typing import Any
+import argparse
+import sys
+from typing import Any, NoReturn
+
+from picompile.errors import PicompileError
 
 
 def console(stderr: bool = True) -> Any:
@@ -19,8 +23,6 @@ def split_names(values: list[str] | None) -> list[str]:
 # never a traceback later or a value that silently means something else (nan, inf, negatives).
 
 def _integer(text: str) -> int:
-    import argparse
-
     try:
         return int(text.strip(), 10)
     except (ValueError, AttributeError):
@@ -29,8 +31,6 @@ def _integer(text: str) -> int:
 
 def int_range(lo: int | None = None, hi: int | None = None) -> Any:
     """An argparse type: an integer in [lo, hi] (either bound may be open)."""
-    import argparse
-
     def parse(text: str) -> int:
         v = _integer(text)
         if (lo is not None and v < lo) or (hi is not None and v > hi):
@@ -44,7 +44,6 @@ def int_range(lo: int | None = None, hi: int | None = None) -> Any:
 def finite_float(lo: float | None = None, hi: float | None = None, lo_open: bool = False,
                  hi_open: bool = False) -> Any:
     """An argparse type: a finite float in the range [lo, hi] (``lo_open``/``hi_open``: the bound excluded)."""
-    import argparse
     import math
 
     def parse(text: str) -> float:
@@ -76,3 +75,16 @@ positive_int = int_range(1)
 nonnegative_int = int_range(0)
 SEED_MAX: int = 2**63 - 1
 seed_int = int_range(0, SEED_MAX)
+
+
+class UsageError(PicompileError):
+    """A command line argparse rejects (unknown option, bad choice, a value out of range): exit 2, one line."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser whose errors are UsageErrors (printed by ``picompile.cli.main`` like every other
+    user error) instead of an exit from inside argparse, so ``main`` returns 2 for them."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        raise UsageError(f"{self.prog}: {message}")

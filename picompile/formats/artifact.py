@@ -90,12 +90,13 @@ def write_manifest(root: Path, manifest: Manifest) -> Manifest:
     return manifest
 
 
-def read_manifest(root: Path, verify: bool = True) -> Manifest:
+def read_manifest(root: Path, verify: bool = True, schema: bool = True) -> Manifest:
     """Read and check an artifact: format version, schema (picompile.formats.manifest_schema), every
     listed file inside the artifact and present with its size, and (``verify``) its sha256.
 
     Without ``verify`` the sha256 of data files is not computed; kernel libraries (native code) are
-    still verified before they are loaded (:func:`verify_listed`).
+    still verified before they are loaded (:func:`verify_listed`). ``schema=False`` (for tools that only read
+    a manifest's numbers, such as ``plan``, never its files) skips the schema and the files table.
     """
     from picompile.formats.manifest_schema import validate_manifest
 
@@ -106,6 +107,8 @@ def read_manifest(root: Path, verify: bool = True) -> Manifest:
         raise ArtifactError(f"{root} is not a picompile artifact (no {MANIFEST})")
     data = read_manifest_json(root)
     manifest = Manifest.from_json(data, str(root / MANIFEST))
+    if not schema:
+        return manifest
     validate_manifest(data)
     for rel, meta in manifest.files.items():
         path = inside(root, rel, f"files[{rel!r}]")

@@ -134,7 +134,7 @@ def check_graph(g: dict[str, Any], model: dict[str, Any]) -> None:
     if "kv_shape" in g:
         shape = g["kv_shape"]
         if shape != [1, model["n_kv_heads"], "past", model["head_dim"]]:
-            raise fail("graph.kv_shape", f"[1, model.n_kv_heads, 'past', model.head_dim]", shape)
+            raise fail("graph.kv_shape", "[1, model.n_kv_heads, 'past', model.head_dim]", shape)
 
 
 def check_layers(layers: list[Any], model: dict[str, Any]) -> None:

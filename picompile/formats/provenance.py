@@ -50,8 +50,13 @@ def index_dir() -> Path:
     return default_cache_dir() / "sources"
 
 
+# what this process has recorded (also found when the cache directory changed since the build)
+RECORDED: dict[str, str] = {}
+
+
 def record_source(digest: str, path: Path) -> None:
-    """Note in this machine's cache that content ``digest`` was read from ``path`` (best effort)."""
+    """Note in this machine's cache (and this process) that content ``digest`` was read from ``path`` (best effort)."""
+    RECORDED[digest] = str(path.absolute())
     try:
         d = index_dir()
         d.mkdir(parents=True, exist_ok=True)
@@ -66,6 +71,8 @@ def recorded_path(digest: Any) -> str | None:
     """The path this machine's cache records for content ``digest`` (:func:`record_source`), if it still exists."""
     if not (isinstance(digest, str) and len(digest) == 64 and digest.isalnum()):
         return None
+    if digest in RECORDED and Path(RECORDED[digest]).exists():
+        return RECORDED[digest]
     try:
         path = Path(json.loads((index_dir() / f"{digest}.json").read_text())["path"])
     except (OSError, ValueError, KeyError, TypeError):

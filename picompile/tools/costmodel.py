@@ -390,7 +390,7 @@ def _artifact_inputs(root: Path, assumptions: Assumptions, sparsity: float | Non
                      locality: float | None) -> ModelInputs:
     from picompile.formats.artifact import read_manifest
 
-    m = read_manifest(root, verify=False)
+    m = read_manifest(root, verify=False, schema=False)  # numbers for an estimate: nothing is loaded or run
     model = m.model
     shape = shape_from_hf_config(dict(model.get("config") or {}), name=str(root))
     layers_meta = sorted(m.layers, key=lambda d: int(d.get("index", 0)))
@@ -406,7 +406,9 @@ def _artifact_inputs(root: Path, assumptions: Assumptions, sparsity: float | Non
     if prof and sparsity is None and locality is None:
         from safetensors.numpy import load_file
 
-        pf = root / str(prof.get("file", "profile.safetensors"))
+        from picompile.formats.paths import inside
+
+        pf = inside(root, prof.get("file", "profile.safetensors"), "sections.profile.file")
         if pf.is_file():
             t = load_file(str(pf))
             n_tokens = int(np.asarray(t.get("n_tokens", [prof.get("n_tokens", 0)])).ravel()[0])

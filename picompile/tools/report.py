@@ -43,12 +43,19 @@ def load_profiles(root: Path, m: Manifest) -> list[LayerProfile]:
     section = m.sections.get("profile")
     if not section:
         raise ArtifactError(f"{root} has no activation profile (built with a pipeline without profile-activations)")
+    from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
-    data = load_file(str(root / section["file"]))
-    n_tokens = int(data["n_tokens"][0])
-    return [LayerProfile(counts=data[f"layer{layer['index']}.counts"], n_tokens=n_tokens, name=layer["module"])
-            for layer in m.layers]
+    from picompile.formats.paths import listed
+
+    path = listed(root, section.get("file"), m.files, "sections.profile.file")
+    try:
+        data = load_file(str(path))
+        n_tokens = int(data["n_tokens"][0])
+        return [LayerProfile(counts=data[f"layer{layer['index']}.counts"], n_tokens=n_tokens, name=layer["module"])
+                for layer in m.layers]
+    except (SafetensorError, OSError, KeyError, IndexError, ValueError, TypeError) as e:
+        raise ArtifactError(f"cannot read the profile {path.name}: {type(e).__name__}: {str(e)[:120]}") from None
 
 
 def plot_profiles(profiles: list[LayerProfile], path: Path, title: str) -> None:
