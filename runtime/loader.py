@@ -23,6 +23,7 @@ def bind_weights(gm: fx.GraphModule, n_inputs: int, keys: list[str], tensors: di
     if len(phs) != n_inputs + len(keys):
         raise ArtifactError(f"graph takes {len(phs)} inputs but the manifest names {n_inputs} + {len(keys)} weights")
     for i, (ph, key) in enumerate(zip(phs[n_inputs:], keys)):
+        check_weight(ph, key, tensors[key])
         name = f"w{i}"
         gm.register_buffer(name, tensors[key])
         with gm.graph.inserting_before(ph):
@@ -32,6 +33,24 @@ def bind_weights(gm: fx.GraphModule, n_inputs: int, keys: list[str], tensors: di
         gm.graph.erase_node(ph)
     gm.recompile()
     return gm
+
+
+def check_weight(ph: fx.Node, key: str, tensor: torch.Tensor) -> None:
+    """The tensor bound to a weight input has the shape and dtype the graph was exported with."""
+    val = ph.meta.get("val")
+    if isinstance(val, torch.Tensor) and (tuple(val.shape) != tuple(tensor.shape) or val.dtype != tensor.dtype):
+        raise ArtifactError(f"weight {key} is {tuple(tensor.shape)} {tensor.dtype} but the graph takes "
+                            f"{tuple(val.shape)} {val.dtype} (graph.weights does not match the weights file)")
+
+
+def check_vocab(gm: fx.GraphModule, vocab_size: int) -> None:
+    """The graph's logits [1, seq, vocab] have the manifest's model.vocab_size (token ids are checked against it)."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    first = out.args[0][0] if isinstance(out.args[0], (tuple, list)) and out.args[0] else None
+    val = first.meta.get("val") if isinstance(first, fx.Node) else None
+    if isinstance(val, torch.Tensor) and val.shape and isinstance(val.shape[-1], int) and val.shape[-1] != vocab_size:
+        raise ArtifactError(f"manifest field model.vocab_size is {vocab_size} but the graph's logits have "
+                            f"{val.shape[-1]} entries")
 
 
 # op -> position of its neuron mask argument
@@ -104,6 +123,7 @@ def load_graph(root: Path, manifest: Manifest, dense: bool = False, hybrid: str 
     load_kernels(root, manifest.sections.get("kernels") or [], manifest)
     gm = ep.module()
     gm = flatten_codegen(gm)
+    check_vocab(gm, int(manifest.model["vocab_size"]))
     if manifest.sections.get("kernels"):
         from picompile.kernels import aligned_copies  # kernels read weights with aligned vector loads
 
