@@ -397,7 +397,7 @@ def test_non_utf8_prompt(default_artifact: Path, capsys: pytest.CaptureFixture[s
 @pytest.mark.parametrize("config,needle", [
     ({"num_hidden_layers": 300_000, "hidden_size": 64}, "num_hidden_layers must be an integer in 1..4096"),
     ({"num_hidden_layers": 4096, "hidden_size": 65536, "intermediate_size": 262144, "vocab_size": 32000},
-     "GiB of float32 weights to build; this machine has"),
+     "of float32 weights to build; this machine has"),
     ({"num_hidden_layers": 2, "hidden_size": -64}, "hidden_size must be an integer"),
     ({"num_hidden_layers": 2, "hidden_size": 64, "vocab_size": "big"}, "vocab_size must be an integer"),
 ])

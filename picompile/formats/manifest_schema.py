@@ -217,9 +217,14 @@ def check_kv_fits(d: dict[str, Any]) -> None:
     kv_bytes = 2 * m["n_layers"] * m["n_kv_heads"] * m["head_dim"] * ctx * 4
     have = physical_memory_bytes()
     if kv_bytes > have:
-        raise ArtifactError(f"manifest implies a KV cache of {kv_bytes / 2**30:.1f} GiB (model.n_layers "
+        raise ArtifactError(f"manifest implies a KV cache of {gib(kv_bytes)} (model.n_layers "
                             f"{m['n_layers']} × n_kv_heads {m['n_kv_heads']} × head_dim {m['head_dim']} × "
-                            f"build.max_seq_len {ctx}); this machine has {have / 2**30:.1f} GiB")
+                            f"build.max_seq_len {ctx}); this machine has {gib(have)}")
+
+
+def gib(n: int) -> str:
+    """A byte count for a message: GiB, or TiB past 1024 GiB."""
+    return f"{n / 2**40:,.1f} TiB" if n >= 1 << 40 else f"{n / 2**30:.1f} GiB"
 
 
 CHECKS: tuple[tuple[str, Callable[..., None], bool], ...] = (

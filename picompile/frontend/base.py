@@ -98,10 +98,10 @@ def estimate_bytes(dims: dict[str, int]) -> int:
 def check_config_bounds(config: dict[str, Any], where: str, memory_bytes: int | None = None) -> None:
     """Refuse a config whose dimensions are out of bounds or whose weights cannot fit this machine's memory."""
     from picompile.errors import ModelLoadError
-    from picompile.formats.manifest_schema import physical_memory_bytes
+    from picompile.formats.manifest_schema import gib, physical_memory_bytes
 
     need = estimate_bytes(config_dims(config, where))
     have = physical_memory_bytes() if memory_bytes is None else memory_bytes
     if need > have:
-        raise ModelLoadError(f"{where}: this config implies about {need / 2**30:.1f} GiB of float32 weights to "
-                             f"build; this machine has {have / 2**30:.1f} GiB")
+        raise ModelLoadError(f"{where}: this config implies about {gib(need)} of float32 weights to "
+                             f"build; this machine has {gib(have)}")
