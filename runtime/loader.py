@@ -11,7 +11,7 @@ from torch import fx
 
 from picompile.formats.archive import check_graph_archive
 from picompile.formats.artifact import Manifest, verify_listed
-from picompile.formats.paths import listed
+from picompile.formats.paths import inside, listed
 from picompile.errors import ArtifactError
 from picompile.ir.graph import drop_metadata_asserts, flatten_codegen, placeholders, shared_copy
 from picompile.ir.ops import call_directly  # importing picompile.ir.ops registers the ops the graph calls
@@ -178,8 +178,9 @@ def load_kernels(root: Path, entries: list[dict[str, Any]], manifest: Manifest |
             continue
         if entry["key"] in KERNEL_TABLE:
             continue
-        path = root / entry["file"]
-        if manifest is not None:  # native code: confined, listed and its sha256 checked before dlopen, always
+        # native code: confined, and (with the manifest) listed and its sha256 checked before dlopen, always
+        path = inside(root, entry["file"], f"sections.kernels {entry['key']} file")
+        if manifest is not None:
             path = verify_listed(root, manifest, entry["file"], f"sections.kernels {entry['key']} file")
             verify_listed(root, manifest, Path(entry["file"]).with_suffix(".json").as_posix(),
                           f"sections.kernels {entry['key']} metadata")
