@@ -54,7 +54,8 @@ _EXPR_CHARS = re.compile(r"^[A-Za-z0-9_ (),=.\-+]*$")
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # a guard compares input sizes: (L['past_2'].size()[2] + L['input_ids'].size()[1]) == (…)
 _GUARD_TERM = re.compile(r"L\['[A-Za-z_][A-Za-z0-9_]*'\]\.(size|stride)\(\)\[\d+\]")
-_GUARD_REST = re.compile(r"^[\d\s()+\-*/%<>=!]*$")
+_GUARD_REST = re.compile(r"^[\d\s()+\-*/%<>=!,A-Za-z_]*$")
+_GUARD_NAMES: frozenset[str] = frozenset({"min", "max", "abs", "and", "or", "not", "True", "False"})
 
 
 def bad(path: Path, what: str) -> ArtifactError:
@@ -144,8 +145,11 @@ def check_expr(path: Path, expr: Any) -> None:
 
 
 def check_guard(path: Path, guard: Any) -> None:
-    """A guard ``ExportedProgram.module()`` compiles with exec: only comparisons of input sizes."""
-    if not isinstance(guard, str) or len(guard) > 10_000 or not _GUARD_REST.match(_GUARD_TERM.sub("0", guard)):
+    """A guard ``ExportedProgram.module()`` compiles with exec: only arithmetic and comparisons of input sizes
+    (with min, max, abs, and, or, not) — no other name, no attribute, no string."""
+    bare = _GUARD_TERM.sub("0", guard) if isinstance(guard, str) else ""
+    if (not isinstance(guard, str) or len(guard) > 10_000 or not _GUARD_REST.match(bare)
+            or any(name not in _GUARD_NAMES for name in _IDENT.findall(bare))):
         raise bad(path, f"guard {str(guard)[:80]!r} is not a comparison of input sizes")
 
 
