@@ -161,6 +161,37 @@ def test_crafted_graph_refused(name: str, default_artifact: Path, tmp_path: Path
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("guard,ok", [
+    ("L['past_1'].size()[2] == L['past_6'].size()[2]", True),
+    ("min(16*L['past_2'].size()[2] + 16*L['input_ids'].size()[1], 32) >= 2 and not 1 > 2", True),
+    ("__import__('os').system('id')", False), ("exec(chr(49))", False), ("L['a'].size()[1].__class__", False),
+    ("L['a'].size()[1] == eval", False), ("L[__import__('os')].size()[0] == 1", False),
+])
+def test_guard_grammar(guard: str, ok: bool) -> None:
+    from picompile.formats.archive import check_guard
+
+    if ok:
+        check_guard(Path("graph.pt2"), guard)
+    else:
+        with pytest.raises(ArtifactError, match="is not a comparison of input sizes"):
+            check_guard(Path("graph.pt2"), guard)
+
+
+@pytest.mark.parametrize("expr,ok", [
+    ("Add(Mul(Integer(32), Symbol('s13', positive=True, integer=True)), Symbol('s70', positive=True, integer=True))", True),
+    ("Float('1.5', precision=53)", True), ("Float('1.5'+chr(95))", False), ("Symbol('s1').__class__", False), ("eval('1')", False),
+    ("Integer(chr(95))", False), ("Max(Symbol('s1'), Integer(2))", True),
+])
+def test_shape_expression_grammar(expr: str, ok: bool) -> None:
+    from picompile.formats.archive import check_expr
+
+    if ok:
+        check_expr(Path("graph.pt2"), expr)
+    else:
+        with pytest.raises(ArtifactError, match="shape expression"):
+            check_expr(Path("graph.pt2"), expr)
+
+
 def test_built_graph_passes_the_check(default_artifact: Path, artifacts: dict) -> None:
     from picompile.formats.archive import check_graph_archive
 

@@ -49,7 +49,7 @@ _EXPR_NAMES: frozenset[str] = frozenset({
     "BitwiseFn_bitwise_and", "BitwiseFn_bitwise_or", "Identity", "LShift", "RShift", "PowByNatural",
     "FloatPow", "Piecewise", "ExprCondPair",
 })
-_EXPR_QUOTED = re.compile(r"'[A-Za-z_][A-Za-z0-9_]*'")
+_EXPR_QUOTED = re.compile(r"'[A-Za-z_][A-Za-z0-9_]*'|'-?[0-9][0-9.eE+\-]*'")  # symbol names, float literals
 _EXPR_CHARS = re.compile(r"^[A-Za-z0-9_ (),=.\-+]*$")
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # a guard compares input sizes: (L['past_2'].size()[2] + L['input_ids'].size()[1]) == (…)
