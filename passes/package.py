@@ -1,5 +1,9 @@
 """package: graph with weights as attributes → artifact files in the staging dir
 (graph.pt2 with weights lifted to inputs, weights.safetensors, tokenizer, manifest.json).
+
+The files are reproducible: the same inputs and options give the same bytes (no timings, no node
+metadata of the build machine, a serialization id derived from the graph, the source recorded by name
+and content hash); only the manifest's ``created`` differs.
 """
 from __future__ import annotations
 
@@ -9,7 +13,9 @@ import torch
 from safetensors.torch import save_file
 from torch import fx
 
+from picompile.formats.archive import pin_serialization_id
 from picompile.formats.artifact import Manifest, write_manifest
+from picompile.formats.provenance import portable_model, portable_sections
 from picompile.context import BuildContext
 from picompile.frontend.decoder import dynamic_shapes, example_inputs
 from picompile.ir.graph import get_tensor, placeholders
@@ -59,6 +65,20 @@ def lift_weights(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[str], dict[st
     return fx.GraphModule(torch.nn.Module(), graph), keys, tensors
 
 
+# node metadata that differs between two builds of the same graph: the source lines of the build machine
+# (absolute paths) and the ids of the Python objects the graph passed through
+BUILD_METADATA: tuple[str, ...] = ("stack_trace", "from_node")
+
+
+def strip_build_metadata(ep: torch.export.ExportedProgram) -> None:
+    """Drop the node metadata that would make graph.pt2 depend on the build machine and run (BUILD_METADATA)."""
+    for module in ep.graph_module.modules():
+        if isinstance(module, fx.GraphModule):
+            for node in module.graph.nodes:
+                for key in BUILD_METADATA:
+                    node.meta.pop(key, None)
+
+
 @register_pass("package")
 def package(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
     out = ctx.staging_dir
@@ -71,7 +91,9 @@ def package(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
             lifted, (ids, *past, *weights), dynamic_shapes=(ids_dim, *past_dims, *([None] * len(weights))), strict=False
         )
     ep.example_inputs = None  # they would be the weights again, serialized inside graph.pt2
+    strip_build_metadata(ep)
     torch.export.save(ep, out / GRAPH_FILE)
+    pin_serialization_id(out / GRAPH_FILE)
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     tokenizer = None
     if ctx.info.tokenizer is not None:
@@ -80,12 +102,11 @@ def package(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
         tok = load_tokenizer(ctx.info.tokenizer["kind"], Path(ctx.info.tokenizer["path"]))
         tokenizer = save_tokenizer(tok, out)
     manifest = Manifest(
-        model=ctx.info.to_json(),
+        model=portable_model(ctx.info),
         target=ctx.target.to_json(),
         build={
             "max_seq_len": ctx.max_seq_len,
             **{name: getattr(ctx.config, name) for name in RECORDED_OPTIONS},
-            "pass_seconds": {name: round(t, 3) for name, t in ctx.pass_times.items()},
         },
         pipeline=list(ctx.pipeline),
         graph={
@@ -99,7 +120,7 @@ def package(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
         weights={"file": WEIGHTS_FILE, "dtype": ctx.config.weight_dtype},
         layers=[layer.to_json() for layer in ctx.ffn_layers],
         tokenizer=tokenizer,
-        sections=dict(ctx.manifest_extra),
+        sections=portable_sections(ctx.manifest_extra),
     )
     write_manifest(out, manifest)
     return gm

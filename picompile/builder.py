@@ -54,10 +54,10 @@ def build_from_config(
     track: Optional[Callable[[Iterable[Any], str], Iterator[Any]]] = None,
 ) -> Path:
     # Check everything cheap before loading weights or touching the output.
+    config.validate()
     tgt = get_target(config.target, config.vram_budget_gib)
     names = pass_names(config.pipeline)
     check_print_after(names, config.print_after)
-    config.validate()
     from picompile.frontend import load_model
 
     model, info = load_model(config.model)

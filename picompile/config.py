@@ -89,6 +89,35 @@ class BuildConfig:
             (self.predictor in ("trained", "oracle", "none"), "--predictor must be trained, oracle or none", self.predictor),
             (self.max_seq_len is None or self.max_seq_len >= 2, "--max-seq-len must be >= 2", self.max_seq_len),
         ]
-        for ok, message, value in checks:
+        for ok, message, value in [*self.type_checks(), *checks]:
             if not ok:
                 raise PicompileError(f"{message}, got {value!r}")
+
+    def type_checks(self) -> list[tuple[bool, str, object]]:
+        """Integer options are integers, float options finite numbers (the Python API has no argparse)."""
+        import math
+
+        def is_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v: object) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        ints = {"calibration_tokens": "--calibration-tokens", "allocation_tokens": "--allocation-tokens",
+                "predictor_epochs": "predictor_epochs", "placement_batch": "--placement-batch",
+                "min_layer_neurons": "--min-layer-neurons", "seed": "--seed"}
+        nums = {"act_sparsity": "--act-sparsity", "allocation_step": "--allocation-step",
+                "predictor_budget": "--predictor-budget"}
+        optional = {"max_seq_len": ("--max-seq-len", is_int), "recall_target": ("--recall-target", is_num),
+                    "vram_budget_gib": ("--vram-budget", is_num)}
+        out: list[tuple[bool, str, object]] = [(is_int(getattr(self, k)), f"{flag} must be an integer", getattr(self, k))
+                                               for k, flag in ints.items()]
+        out += [(is_num(getattr(self, k)), f"{flag} must be a finite number", getattr(self, k)) for k, flag in nums.items()]
+        out += [(getattr(self, k) is None or ok(getattr(self, k)), f"{flag} must be a finite number" if ok is is_num
+                 else f"{flag} must be an integer", getattr(self, k)) for k, (flag, ok) in optional.items()]
+        out += [(not is_int(self.seed) or 0 <= self.seed < 2**63, "--seed must be in 0..2**63-1", self.seed),
+                (not is_num(self.vram_budget_gib) or 0 <= self.vram_budget_gib <= 1e6, "--vram-budget must be in "
+                 "[0, 1e6] GiB", self.vram_budget_gib),
+                (not is_int(self.max_seq_len) or self.max_seq_len <= 1 << 22, "--max-seq-len must be <= 4194304",
+                 self.max_seq_len)]
+        return out

@@ -15,7 +15,9 @@ from torch import fx
 
 import picompile.ir.ops  # noqa: F401  (registers the ops the graph calls)
 from picompile.errors import ArtifactError
-from picompile.formats.artifact import Manifest
+from picompile.formats.archive import check_graph_archive
+from picompile.formats.artifact import Manifest, verify_listed
+from picompile.formats.paths import inside, listed
 from picompile.ir.graph import placeholders
 from picompile.runtime.load_pipeline import LoadOptions, LoadRun, LoadState, graph_steps
 from picompile.runtime.masks import drop_masks, without_masks  # noqa: F401  (re-exported: the load's mask rewrites)
@@ -26,16 +28,17 @@ WEIGHT_PREFIX = "w"  # bound weight i is the buffer f"w{i}"
 # -- reading the files ------------------------------------------------------------------------------
 def read_exported(root: Path, manifest: Manifest) -> Any:
     """The manifest's graph file as a torch.export ExportedProgram."""
-    file = root / manifest.graph["file"]
+    file = listed(root, manifest.graph["file"], manifest.files, "graph.file")
+    check_graph_archive(file)  # nothing in it is unpickled, exec'd or eval'd (formats/archive.py)
     try:
         return torch.export.load(file)
     except Exception as e:
-        raise ArtifactError(f"cannot read the graph {file}: {type(e).__name__}: {e}") from None
+        raise ArtifactError(f"cannot read the graph {file}: {type(e).__name__}: {str(e)[:200]}") from None
 
 
 def read_weights(root: Path, manifest: Manifest) -> dict[str, torch.Tensor]:
     """The manifest's weight file's tensors (every one the graph names must be there)."""
-    wfile = root / manifest.weights["file"]
+    wfile = listed(root, manifest.weights["file"], manifest.files, "weights.file")
     try:
         tensors = load_file(str(wfile))
     except (SafetensorError, OSError) as e:
@@ -53,6 +56,7 @@ def bind_weights(gm: fx.GraphModule, n_inputs: int, keys: list[str], tensors: di
     if len(phs) != n_inputs + len(keys):
         raise ArtifactError(f"graph takes {len(phs)} inputs but the manifest names {n_inputs} + {len(keys)} weights")
     for i, (ph, key) in enumerate(zip(phs[n_inputs:], keys)):
+        check_weight(ph, key, tensors[key])
         name = f"{WEIGHT_PREFIX}{i}"
         gm.register_buffer(name, tensors[key])
         with gm.graph.inserting_before(ph):
@@ -62,6 +66,24 @@ def bind_weights(gm: fx.GraphModule, n_inputs: int, keys: list[str], tensors: di
         gm.graph.erase_node(ph)
     gm.recompile()
     return gm
+
+
+def check_weight(ph: fx.Node, key: str, tensor: torch.Tensor) -> None:
+    """The tensor bound to a weight input has the shape and dtype the graph was exported with."""
+    val = ph.meta.get("val")
+    if isinstance(val, torch.Tensor) and (tuple(val.shape) != tuple(tensor.shape) or val.dtype != tensor.dtype):
+        raise ArtifactError(f"weight {key} is {tuple(tensor.shape)} {tensor.dtype} but the graph takes "
+                            f"{tuple(val.shape)} {val.dtype} (graph.weights does not match the weights file)")
+
+
+def check_vocab(gm: fx.GraphModule, vocab_size: int) -> None:
+    """The graph's logits [1, seq, vocab] have the manifest's model.vocab_size (token ids are checked against it)."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    first = out.args[0][0] if isinstance(out.args[0], (tuple, list)) and out.args[0] else None
+    val = first.meta.get("val") if isinstance(first, fx.Node) else None
+    if isinstance(val, torch.Tensor) and val.shape and isinstance(val.shape[-1], int) and val.shape[-1] != vocab_size:
+        raise ArtifactError(f"manifest field model.vocab_size is {vocab_size} but the graph's logits have "
+                            f"{val.shape[-1]} entries")
 
 
 def align_weights(gm: fx.GraphModule, n_weights: int) -> fx.GraphModule:
@@ -108,12 +130,13 @@ def load_graph(root: Path, manifest: Manifest, dense: bool = False, hybrid: str 
     run = run if run is not None else LoadRun(names)
     ep = read_exported(root, manifest)
     tensors = read_weights(root, manifest)
-    load_kernels(root, manifest.sections.get("kernels") or [])
+    load_kernels(root, manifest.sections.get("kernels") or [], manifest)
     g = manifest.graph
     state = LoadState(graph=ep.module(), options=options, n_inputs=1 + int(g["n_past"]), weight_keys=list(g["weights"]), tensors=tensors)
     del ep, tensors  # the state holds them until bind-weights binds them (then the file's mapping can go)
     run.run(state, names)
     assert state.graph is not None
+    check_vocab(state.graph, int(manifest.model["vocab_size"]))
     return state.graph
 
 
@@ -123,10 +146,14 @@ def stale_kernels(entries: list[dict[str, Any]]) -> list[str]:
     arguments differently, and must be rebuilt."""
     from picompile.kernels import KernelSpec
 
-    return [str(e["file"]) for e in entries if KernelSpec(**e["spec"]).key() != e["key"]]
+    try:
+        return [str(e["file"]) for e in entries if KernelSpec(**e["spec"]).key() != e["key"]]
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        raise ArtifactError(f"manifest field sections.kernels holds a kernel spec this picompile cannot read "
+                            f"({type(e).__name__}: {str(e)[:120]})") from None
 
 
-def load_kernels(root: Path, entries: list[dict[str, Any]]) -> None:
+def load_kernels(root: Path, entries: list[dict[str, Any]], manifest: Manifest | None = None) -> None:
     """Load the kernels a manifest lists ("kernels") into this process's table (``picompile.kernels.table``,
     where the tvm ops find them; TVM runtime only).
 
@@ -149,7 +176,13 @@ def load_kernels(root: Path, entries: list[dict[str, Any]]) -> None:
             continue
         if find_kernel(entry["key"]) is not None:
             continue
+        # native code: confined, and (with the manifest) listed and its sha256 checked before dlopen, always
+        path = inside(root, entry["file"], f"sections.kernels {entry['key']} file")
+        if manifest is not None:
+            path = verify_listed(root, manifest, entry["file"], f"sections.kernels {entry['key']} file")
+            verify_listed(root, manifest, Path(entry["file"]).with_suffix(".json").as_posix(),
+                          f"sections.kernels {entry['key']} metadata")
         try:
-            add_kernel(entry["key"], load_kernel(root / entry["file"], spec))
+            add_kernel(entry["key"], load_kernel(path, spec))
         except Exception as e:
             raise ArtifactError(f"cannot load kernel {entry['file']} of {root}: {type(e).__name__}: {e}") from None

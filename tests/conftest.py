@@ -60,3 +60,13 @@ def f16_cpu_artifact(checkpoints: dict[tuple[str, str], Path], tmp_path_factory:
     out = tmp_path_factory.mktemp("f16") / "f16.pic"
     return picompile.build(checkpoints[("llama", "relu")], output=out, weight_dtype="float16", calibration_tokens=256,
                            max_seq_len=64, emit=lambda s: None, progress=False)
+
+
+@pytest.fixture(scope="session")
+def default_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The embedded default model built with the default pipeline (TVM kernels, trained predictors), target cpu."""
+    import picompile
+    from picompile.builder import default_model
+
+    out = tmp_path_factory.mktemp("default") / "default.pic"
+    return picompile.build(default_model(), output=out, emit=lambda s: None, progress=False)

@@ -4,11 +4,13 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import picompile
 from picompile.cli import main
+from picompile.errors import PicompileError
 
 
 def leftovers(parent: Path) -> list[str]:
@@ -169,3 +171,43 @@ def test_kernels_of_another_abi(f16_cpu_artifact: Path, tmp_path: Path, capsys: 
     (out / "manifest.json").write_text(json.dumps(m))
     assert stale_kernels(m["sections"]["kernels"]) == [m["sections"]["kernels"][0]["file"]]
     run_fails(capsys, ["run", str(out), "--ids", "1,2"], "was built by a picompile with another kernel ABI")
+
+
+# ----------------------------------------------------------------------------- numeric options (issue #22, finding 6)
+# not-a-number, infinity and negatives are refused by the option itself (exit 2, one line), never accepted to crash
+# later or to mean something else
+
+BAD_OPTIONS: list[tuple[list[str], str]] = [
+    (["run", "A", "-n", "nan"], "argument -n: 'nan' is not an integer"),
+    (["run", "A", "-n", "-3"], "argument -n: -3 is out of range"),
+    (["run", "A", "--temperature", "inf"], "argument --temperature: 'inf' is not a finite number"),
+    (["run", "A", "--temperature", "-1"], "argument --temperature: -1 is out of range"),
+    (["run", "A", "--top-k", "-5"], "argument --top-k"),
+    (["run", "A", "--seed", "-1"], "argument --seed"),
+    (["build", "--act-sparsity", "nan"], "argument --act-sparsity: 'nan' is not a finite number"),
+    (["build", "--vram-budget", "inf"], "argument --vram-budget"),
+    (["build", "--vram-budget", "-2"], "argument --vram-budget"),
+    (["build", "--max-seq-len", "1"], "argument --max-seq-len: 1 is out of range"),
+    (["build", "--recall-target", "0"], "argument --recall-target"),
+    (["build", "--calibration-tokens", "1e3"], "argument --calibration-tokens: '1e3' is not an integer"),
+    (["eval", "A", "--limit", "0"], "argument --limit"),
+    (["plan", "opt-30b", "--context", "-1"], "argument --context"),
+    (["plan", "opt-30b", "--sparsity", "2"], "argument --sparsity"),
+    (["bench", "A", "--tokens", "0"], "argument --tokens"),
+]
+
+
+@pytest.mark.parametrize("args,needle", BAD_OPTIONS)
+def test_bad_numeric_options(args: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert needle in err, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("option,value", [("act_sparsity", float("nan")), ("vram_budget_gib", float("inf")),
+                                          ("calibration_tokens", 4096.5), ("seed", -1), ("max_seq_len", 10 ** 9)])
+def test_bad_build_config_values(option: str, value: Any, tmp_path: Path) -> None:
+    with pytest.raises(PicompileError, match="must be"):
+        picompile.build(None, output=tmp_path / "x.pic", emit=lambda s: None, **{option: value})
+    assert list(tmp_path.iterdir()) == []

@@ -6,7 +6,7 @@ import sys
 from typing import Sequence
 
 from picompile.cli import bench, build, eval, inspect, plan, run
-from picompile.cli.common import console
+from picompile.cli.common import Parser, console
 from picompile.errors import PicompileError
 
 SUBCOMMANDS = (build, run, inspect, eval, plan, bench)
@@ -15,21 +15,22 @@ SUBCOMMANDS = (build, run, inspect, eval, plan, bench)
 def parser() -> argparse.ArgumentParser:
     from picompile import __version__
 
-    p = argparse.ArgumentParser(prog="picompile", description="Ahead-of-time compiler for activation-sparse LLM inference.")
+    p = Parser(prog="picompile", description="Ahead-of-time compiler for activation-sparse LLM inference.")
     p.add_argument("--version", action="version", version=f"picompile {__version__}")
     p.add_argument("--traceback", action="store_true", help="show the Python traceback of errors")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
     for command in SUBCOMMANDS:
         command.add_parser(sub)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    args = None
     try:
+        args = parser().parse_args(argv)
         return int(args.fn(args))
     except PicompileError as e:
-        if args.traceback:
+        if args is not None and args.traceback:
             raise
         from rich.markup import escape
 

@@ -7,7 +7,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from picompile.cli.common import console, split_names
+from picompile.cli.common import (console, finite_float, int_range, nonnegative_int, positive_int, seed_int,
+                                  split_names)
 
 
 def add_parser(sub: Any) -> None:
@@ -18,13 +19,13 @@ def add_parser(sub: Any) -> None:
     b.add_argument("model", nargs="?", help="HF checkpoint dir, hub id or llama2.c .bin (default: the embedded model)")
     b.add_argument("--target", default="cpu", help=f"target preset: {', '.join(TARGETS)} (default cpu)")
     b.add_argument("-o", "--output", help="artifact directory (default: MODEL_NAME.pic)")
-    b.add_argument("--vram-budget", type=float, metavar="GIB", help="GPU memory budget in GiB (overrides the target)")
+    b.add_argument("--vram-budget", type=finite_float(0.0, 1e6), metavar="GIB", help="GPU memory budget in GiB (overrides the target)")
     b.add_argument("--pipeline", default="default", choices=list(PIPELINES))
     b.add_argument("--predictor", default="trained", choices=["trained", "oracle", "none"])
-    b.add_argument("--max-seq-len", type=int, help="context length of the artifact (default: the model's)")
+    b.add_argument("--max-seq-len", type=int_range(2, 1 << 22), help="context length of the artifact (default: the model's)")
     b.add_argument("--calibration", help="text or token file (.npy/.json ids) for activation profiling")
-    b.add_argument("--calibration-tokens", type=int, default=4096, metavar="N", help="tokens to profile (default 4096)")
-    b.add_argument("--act-sparsity", type=float, default=0.5, metavar="F",
+    b.add_argument("--calibration-tokens", type=int_range(16, 1 << 31), default=4096, metavar="N", help="tokens to profile (default 4096)")
+    b.add_argument("--act-sparsity", type=finite_float(0.0, 1.0, hi_open=True), default=0.5, metavar="F",
                    help="non-ReLU FFNs: mean fraction of neurons counted inactive per layer (default 0.5)")
     b.add_argument("--weight-dtype", choices=["float32", "float16"], default="float32",
                    help="dtype of the linear and FFN weights in the artifact (float16: half the bytes per token; "
@@ -38,19 +39,19 @@ def add_parser(sub: Any) -> None:
     b.add_argument("--sparsity-allocation", choices=["greedy", "uniform"], default="uniform",
                    help="non-ReLU FFNs: the same sparsity in every layer (uniform, default) or per-layer sparsity "
                         "chosen greedily against the calibration loss (greedy)")
-    b.add_argument("--allocation-tokens", type=int, default=2048, metavar="N",
+    b.add_argument("--allocation-tokens", type=int_range(16, 1 << 31), default=2048, metavar="N",
                    help="calibration tokens the greedy allocation measures the loss on (default 2048)")
-    b.add_argument("--recall-target", type=float, default=None, metavar="F",
+    b.add_argument("--recall-target", type=finite_float(0.0, 1.0, lo_open=True), default=None, metavar="F",
                    help="predictor recall target (default 0.95 when every FFN is ReLU, else 0.99)")
-    b.add_argument("--predictor-budget", type=float, default=0.2, metavar="F",
+    b.add_argument("--predictor-budget", type=finite_float(0.0, 1.0, lo_open=True), default=0.2, metavar="F",
                    help="predictor parameters as a fraction of FFN parameters (default 0.2)")
     b.add_argument("--predictor-kind", default="linear", choices=["linear", "mlp"],
                    help="linear: low-rank map fitted in closed form, rank chosen for the fewest bytes per token "
                         "(default); mlp: PowerInfer's fc2(relu(fc1 x)) trained with BCE")
-    b.add_argument("--placement-batch", type=int, default=64, metavar="N", help="neurons per placement decision")
-    b.add_argument("--min-layer-neurons", type=int, default=0, metavar="N",
+    b.add_argument("--placement-batch", type=positive_int, default=64, metavar="N", help="neurons per placement decision")
+    b.add_argument("--min-layer-neurons", type=nonnegative_int, default=0, metavar="N",
                    help="a layer on the GPU holds at least N hot neurons (default 0 = off)")
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--seed", type=seed_int, default=0)
     b.add_argument("--print-after", action="append", metavar="PASS", help="print the graph after PASS (repeatable; 'all')")
     b.add_argument("--dump-ir", metavar="DIR", help="write the graph after every pass to DIR/NNN_PASS.txt")
     b.add_argument("-q", "--quiet", action="store_true")
@@ -82,7 +83,14 @@ def cmd(args: argparse.Namespace) -> int:
                   TimeElapsedColumn(), console=err, disable=args.quiet, transient=True) as progress:
         task = progress.add_task("loading model", total=None)
 
+        times: dict[str, float] = {}  # pass -> seconds (timings stay out of the artifact: it is reproducible)
+        current: list[tuple[str, float]] = []
+
         def on_pass(name: str, i: int, n: int) -> None:
+            now = time.perf_counter()
+            if current:
+                times[current[0][0]] = now - current[0][1]
+            current[:] = [(name, now)]
             progress.update(task, description=f"pass {name}", completed=i - 1, total=n)
 
         def emit(text: str) -> None:
@@ -99,11 +107,10 @@ def cmd(args: argparse.Namespace) -> int:
             progress.remove_task(sub)
 
         out = build_from_config(config, emit=emit, on_pass=on_pass, track=track)
+        if current:
+            times[current[0][0]] = time.perf_counter() - current[0][1]
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     if not args.quiet:
-        from picompile.formats.artifact import read_manifest
-
-        times = read_manifest(out, verify=False).build.get("pass_seconds", {})
         err.print(f"built [bold]{out}[/bold] for target {config.target} in {time.perf_counter() - start:.1f} s "
                   f"({size / 1e6:.2f} MB); passes: " + ", ".join(f"{k} {v:.1f}s" for k, v in times.items()))
     return 0

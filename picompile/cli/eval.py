@@ -6,6 +6,7 @@ import json
 import sys
 from typing import Any
 
+from picompile.cli.common import positive_int
 from picompile.errors import PicompileError
 from picompile.tools import evaluate
 from picompile.tools.eval_scoring import Advance
@@ -16,11 +17,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e = sub.add_parser("eval", help="perplexity and zero-shot accuracy, sparse vs the artifact's dense reference")
     e.add_argument("artifact")
     e.add_argument("--ppl", metavar="FILE", help="text file (needs the artifact's tokenizer) or token file (.npy/.json ids)")
-    e.add_argument("--ppl-tokens", type=int, metavar="N", help="score only the first N tokens of --ppl")
-    e.add_argument("--stride", type=int, metavar="N", help="sliding-window stride (default: half the context)")
+    e.add_argument("--ppl-tokens", type=positive_int, metavar="N", help="score only the first N tokens of --ppl")
+    e.add_argument("--stride", type=positive_int, metavar="N", help="sliding-window stride (default: half the context)")
     e.add_argument("--tasks", nargs="+", action="extend", metavar="FILE",
                    help="task jsonl files (piqa/arc/copa {query,choices,gold}; winogrande; rte)")
-    e.add_argument("--limit", type=int, metavar="N", help="the first N examples of each task")
+    e.add_argument("--limit", type=positive_int, metavar="N", help="the first N examples of each task")
     e.add_argument("--json", action="store_true", help="machine-readable result on stdout")
     e.add_argument("--sweep", action="store_true",
                    help="rebuild the source model at several recall targets (ReLU) or act-sparsity values and "

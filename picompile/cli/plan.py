@@ -5,6 +5,7 @@ import argparse
 import json
 from typing import Any
 
+from picompile.cli.common import finite_float, nonnegative_int, positive_int
 from picompile.errors import PicompileError
 from picompile.targets import TARGETS
 from picompile.tools import plan as planner
@@ -20,24 +21,24 @@ def add_parser(sub: Any) -> None:
     p.add_argument("model", metavar="MODEL_OR_CONFIG",
                    help=f"HF checkpoint dir or config.json, a picompile artifact, or one of: {', '.join(BUILTIN_MODELS)}")
     p.add_argument("--target", default="rtx4090", help=f"target preset: {', '.join(TARGETS)} (default rtx4090)")
-    p.add_argument("--vram-budget", type=float, metavar="GIB", help="GPU memory budget in GiB (overrides the target)")
+    p.add_argument("--vram-budget", type=finite_float(0.0, 1e6), metavar="GIB", help="GPU memory budget in GiB (overrides the target)")
     p.add_argument("--dtype", choices=list(DTYPE_BYTES), help="weight format (default float16; an artifact: its own)")
-    p.add_argument("--sparsity", type=float, metavar="F", help="fraction of FFN neurons inactive per token (synthetic profile)")
-    p.add_argument("--locality", type=float, metavar="F", help="fraction of neurons carrying 80%% of activations (synthetic profile)")
+    p.add_argument("--sparsity", type=finite_float(0.0, 1.0), metavar="F", help="fraction of FFN neurons inactive per token (synthetic profile)")
+    p.add_argument("--locality", type=finite_float(0.0, 1.0, lo_open=True), metavar="F", help="fraction of neurons carrying 80%% of activations (synthetic profile)")
     p.add_argument("--cpu-bandwidth", metavar="GBS", help="host memory bandwidth in GB/s, 'host' (measured here) or 'measure'")
-    p.add_argument("--gpu-bandwidth", type=float, metavar="GBS", help="GPU memory bandwidth in GB/s (overrides the target)")
-    p.add_argument("--context", type=int, default=d.context, metavar="N", help=f"tokens in the KV cache (default {d.context})")
-    p.add_argument("--predictor-recall", type=float, default=d.predictor_recall, metavar="F")
-    p.add_argument("--predictor-overhead", type=float, default=d.predictor_overhead, metavar="F",
+    p.add_argument("--gpu-bandwidth", type=finite_float(0.0, 1e6, lo_open=True), metavar="GBS", help="GPU memory bandwidth in GB/s (overrides the target)")
+    p.add_argument("--context", type=positive_int, default=d.context, metavar="N", help=f"tokens in the KV cache (default {d.context})")
+    p.add_argument("--predictor-recall", type=finite_float(0.0, 1.0, lo_open=True), default=d.predictor_recall, metavar="F")
+    p.add_argument("--predictor-overhead", type=finite_float(0.0, 1e3), default=d.predictor_overhead, metavar="F",
                    help=f"false positives / true actives (default {d.predictor_overhead})")
-    p.add_argument("--predictor-fraction", type=float, default=d.predictor_fraction, metavar="F",
+    p.add_argument("--predictor-fraction", type=finite_float(0.0, 1.0), default=d.predictor_fraction, metavar="F",
                    help=f"predictor params / FFN params per layer (default {d.predictor_fraction})")
     p.add_argument("--gpu-sparse", action="store_true", help="the GPU reads only predicted-active hot neurons")
     p.add_argument("--balance", action="store_true",
                    help="hybrid: keep a hot neuron on the GPU only while that shortens the layer (GPU reads all hot rows)")
     p.add_argument("--placement", choices=["auto", "ilp", "greedy"], default=d.placement)
-    p.add_argument("--placement-batch", type=int, default=d.placement_batch, metavar="N")
-    p.add_argument("--min-layer-neurons", type=int, default=d.min_layer_neurons, metavar="N")
+    p.add_argument("--placement-batch", type=positive_int, default=d.placement_batch, metavar="N")
+    p.add_argument("--min-layer-neurons", type=nonnegative_int, default=d.min_layer_neurons, metavar="N")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(fn=cmd)
 

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from picompile.cli.common import console, split_names
+from picompile.cli.common import console, finite_float, int_range, nonnegative_int, seed_int, split_names
 from picompile.errors import PicompileError
 
 
@@ -46,10 +46,10 @@ def add_parser(sub: Any) -> None:
     r.add_argument("artifact")
     r.add_argument("--prompt", help="prompt text")
     r.add_argument("--ids", help="prompt as token ids (comma or space separated)")
-    r.add_argument("-n", type=int, default=32, help="new tokens to generate (default 32)")
-    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    r.add_argument("--top-k", type=int, default=0)
-    r.add_argument("--seed", type=int)
+    r.add_argument("-n", type=int_range(0, 1 << 22), default=32, help="new tokens to generate (default 32)")
+    r.add_argument("--temperature", type=finite_float(0.0, 1e4), default=0.0, help="0 = greedy (default)")
+    r.add_argument("--top-k", type=nonnegative_int, default=0)
+    r.add_argument("--seed", type=seed_int)
     r.add_argument("--json", action="store_true")
     r.add_argument("--no-verify", action="store_true", help="skip the checksum check")
     add_load_arguments(r)

@@ -12,7 +12,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -20,6 +19,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from picompile.errors import ArtifactError, PicompileError
+from picompile.formats.paths import inside, listed
+from picompile.formats.staging import STAGING_MARKER
 
 FORMAT: str = "picompile-artifact"
 FORMAT_VERSION: int = 1
@@ -81,7 +82,7 @@ def write_manifest(root: Path, manifest: Manifest) -> Manifest:
     manifest.files = {
         p.relative_to(root).as_posix(): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
         for p in sorted(root.rglob("*"))
-        if p.is_file() and p.name != MANIFEST
+        if p.is_file() and p.name not in (MANIFEST, STAGING_MARKER)
     }
     manifest.picompile_version = __version__
     manifest.created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -89,28 +90,78 @@ def write_manifest(root: Path, manifest: Manifest) -> Manifest:
     return manifest
 
 
-def read_manifest(root: Path, verify: bool = True) -> Manifest:
-    """Read and check an artifact: format version, every listed file present with its checksum."""
+def read_manifest(root: Path, verify: bool = True, schema: bool = True) -> Manifest:
+    """Read and check an artifact: format version, schema (picompile.formats.manifest_schema), every
+    listed file inside the artifact and present with its size, and (``verify``) its sha256.
+
+    Without ``verify`` the sha256 of data files is not computed; kernel libraries (native code) are
+    still verified before they are loaded (:func:`verify_listed`). ``schema=False`` (for tools that only read
+    a manifest's numbers, such as ``plan``, never its files) skips the schema and the files table.
+    """
+    from picompile.formats.manifest_schema import validate_manifest
+
     root = Path(root)
     if not root.exists():
         raise ArtifactError(f"artifact {root} does not exist")
     if not root.is_dir() or not (root / MANIFEST).is_file():
         raise ArtifactError(f"{root} is not a picompile artifact (no {MANIFEST})")
-    try:
-        data = json.loads((root / MANIFEST).read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ArtifactError(f"{root / MANIFEST} is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ArtifactError(f"{root / MANIFEST} does not hold a JSON object")
+    data = read_manifest_json(root)
     manifest = Manifest.from_json(data, str(root / MANIFEST))
-    if verify:
-        for rel, meta in manifest.files.items():
-            path = root / rel
-            if not path.is_file():
-                raise ArtifactError(f"artifact {root} is missing {rel}, which its manifest lists")
-            if path.stat().st_size != meta.get("bytes") or sha256_file(path) != meta.get("sha256"):
-                raise ArtifactError(f"checksum mismatch for {rel} in {root}: the file is corrupt or was changed")
+    if not schema:
+        return manifest
+    validate_manifest(data)
+    for rel, meta in manifest.files.items():
+        path = inside(root, rel, f"files[{rel!r}]")
+        if not path.is_file():
+            raise ArtifactError(f"artifact {root} is missing {rel}, which its manifest lists")
+        if path.stat().st_size != meta["bytes"]:
+            raise ArtifactError(f"size mismatch for {rel} in {root}: the file is corrupt or was changed")
+        if verify and sha256_file(path) != meta["sha256"]:
+            raise ArtifactError(f"checksum mismatch for {rel} in {root}: the file is corrupt or was changed")
     return manifest
+
+
+MAX_MANIFEST_BYTES: int = 64 << 20
+
+
+def read_manifest_json(root: Path) -> dict[str, Any]:
+    """manifest.json decoded (a JSON object, at most MAX_MANIFEST_BYTES), or a one-line ArtifactError."""
+    path = Path(root) / MANIFEST
+    if path.stat().st_size > MAX_MANIFEST_BYTES:
+        raise ArtifactError(f"{path} is {path.stat().st_size} bytes; a manifest is at most {MAX_MANIFEST_BYTES}")
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"), parse_constant=_no_constant)
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ArtifactError(f"{path} is not valid JSON: {str(e)[:120]}") from None
+    if not isinstance(data, dict):
+        raise ArtifactError(f"{path} does not hold a JSON object")
+    return data
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def verify_listed(root: Path, manifest: Manifest, rel: Any, what: str) -> Path:
+    """The path of a file the manifest names (``what``), confined, listed in ``files``, and its sha256 checked.
+
+    For files the runtime cannot treat as data (kernel libraries it dlopens): checked even without verify.
+    """
+    path = listed(root, rel, manifest.files, what)
+    meta = manifest.files[rel]
+    if path.stat().st_size != meta["bytes"] or sha256_file(path) != meta["sha256"]:
+        raise ArtifactError(f"checksum mismatch for {rel} in {root}: the file is corrupt or was changed")
+    return path
+
+
+def content_hash(root: Path) -> str:
+    """sha256 of the artifact's content: its manifest (which holds every file's sha256) without ``created``.
+
+    Two builds of the same inputs with the same options and picompile version have the same hash.
+    """
+    data = read_manifest_json(Path(root))
+    data.pop("created", None)
+    return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _normal_permissions(root: Path) -> None:
@@ -123,32 +174,44 @@ def _normal_permissions(root: Path) -> None:
 
 
 def is_artifact(path: Path) -> bool:
-    return (Path(path) / MANIFEST).is_file()
+    """Whether ``path`` is a directory whose manifest.json says ``"format": "picompile-artifact"``."""
+    try:
+        data = read_manifest_json(Path(path)) if (Path(path) / MANIFEST).is_file() else None
+    except (ArtifactError, OSError):
+        return False
+    return isinstance(data, dict) and data.get("format") == FORMAT
 
 
 @contextmanager
 def staged_output(output: Path) -> Iterator[Path]:
     """Yield an empty staging dir beside ``output``; on success it replaces ``output`` atomically.
 
-    On any error (or Ctrl-C) the staging dir is removed and ``output`` is left as it was. An existing
-    artifact is replaced only after the new one is complete; any other non-empty path is refused.
+    On any error, Ctrl-C, SIGTERM or SIGHUP the staging dir is removed and ``output`` is left as it was.
+    An existing artifact is replaced only after the new one is complete; any other non-empty path is
+    refused. Staging dirs of dead builds (their recorded pid gone) beside ``output`` are swept first.
     """
+    from picompile.formats.staging import make_staging, remove_marker, sweep_stale, termination_as_interrupt
+
     output = Path(output).absolute()
-    if output.exists():
+    if output.exists() or output.is_symlink():
         if not is_artifact(output) and not (output.is_dir() and not any(output.iterdir())):
-            raise PicompileError(f"output {output} exists and is not a picompile artifact; refusing to overwrite it")
+            raise PicompileError(f"output {output} exists and is not a picompile artifact; refusing to overwrite it "
+                                 f"(only a directory whose manifest.json says \"format\": \"{FORMAT}\" is replaced)")
     output.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".partial", dir=output.parent))
-    try:
-        yield staging
-        _normal_permissions(staging)
-        if output.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".old", dir=output.parent))
-            output.rename(old / "a")  # keep the old artifact until the new one is in place
-            staging.rename(output)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            staging.rename(output)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
+    sweep_stale(output.parent)
+    with termination_as_interrupt():
+        staging = make_staging(output, "partial")
+        try:
+            yield staging
+            remove_marker(staging)
+            _normal_permissions(staging)
+            if output.exists():
+                old = make_staging(output, "old")
+                output.rename(old / "a")  # keep the old artifact until the new one is in place
+                staging.rename(output)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                staging.rename(output)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)

@@ -207,7 +207,7 @@ class Llama2cTokenizer:
     def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
         """Encode exactly as llama2.c run.c's encode(): optional BOS, the " " dummy prefix (for
         non-empty text), per-character tokens with byte fallback, then greedy best-score merges."""
-        raw = text.encode("utf-8")
+        raw = prompt_bytes(text)
         tokens: list[int] = [self.bos_id] if bos and self.bos_id is not None else []
         if raw:
             tokens += self._char_ids(b" ")
@@ -222,7 +222,7 @@ class Llama2cTokenizer:
 
         Lines are cut after each "\n"; a cut is used only where no merge could cross it (see _can_join),
         otherwise the next line is merged together with the pending ones."""
-        raw = text.encode("utf-8")
+        raw = prompt_bytes(text)
         pending: list[int] = [self.bos_id] if bos and self.bos_id is not None else []
         if raw:
             pending += self._char_ids(b" ")
@@ -329,6 +329,7 @@ class HFTokenizer:
         return int(self.tok.get_vocab_size(with_added_tokens=True))
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
+        prompt_bytes(text)  # undecodable bytes fail here, with one line, not inside the tokenizers library
         ids = list(self.tok.encode(text, add_special_tokens=False).ids)
         return [self.bos_id, *ids] if bos and self.bos_id is not None else ids
 
@@ -393,21 +394,42 @@ def save_tokenizer(tok: Tokenizer, dest_dir: Path) -> dict[str, Any]:
 
 
 def load_tokenizer_entry(entry: dict[str, Any], artifact_dir: Path) -> Tokenizer:
-    """Load the tokenizer a manifest entry (from save_tokenizer) describes, checking its sha256s."""
+    """Load the tokenizer a manifest entry (from save_tokenizer) describes, checking its sha256s.
+
+    Every file it reads lies inside the artifact (picompile.formats.paths) and has its sha256 in the entry,
+    checked before the tokenizer reads it — the main file and any side file beside it alike.
+    """
+    from picompile.formats.paths import inside
+
     try:
         kind, files = entry["kind"], list(entry["files"])
-    except (KeyError, TypeError):
-        raise ArtifactError(f"bad tokenizer manifest entry {entry!r}: needs 'kind' and 'files'") from None
+        digests = dict(entry.get("sha256") or {})
+    except (KeyError, TypeError, ValueError):
+        raise ArtifactError(f"bad tokenizer manifest entry {str(entry)[:80]!r}: needs 'kind' and 'files'") from None
     if not files:
         raise ArtifactError("tokenizer manifest entry lists no files")
     root = Path(artifact_dir)
-    for rel, digest in dict(entry.get("sha256") or {}).items():
-        f = root / rel
+    main = inside(root, files[0], "tokenizer.files[0]")
+    side = [f"{Path(files[0]).parent.as_posix()}/{n}" for n in _HF_SIDE_FILES] if kind == "hf" else []
+    present = [rel for rel in side if (root / rel).exists() or (root / rel).is_symlink()]
+    for rel in dict.fromkeys([*files, *present]):
+        f = inside(root, rel, "tokenizer.files")
+        if rel not in digests:
+            raise ArtifactError(f"tokenizer file {rel} has no sha256 in the manifest's tokenizer entry")
         if not f.is_file():
             raise ArtifactError(f"tokenizer file {f} named in the manifest is missing")
-        if _sha256(f) != digest:
+        if _sha256(f) != digests[rel]:
             raise ArtifactError(f"tokenizer file {f} fails its sha256 check")
-    return load_tokenizer(kind, root / files[0])
+    return load_tokenizer(kind, main)
+
+
+def prompt_bytes(text: str) -> bytes:
+    """``text`` as UTF-8; a prompt that is not valid Unicode (undecodable bytes on the command line) is an InputError."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start:e.end].encode("utf-8", "surrogateescape")
+        raise InputError(f"the prompt is not valid UTF-8 (bytes {bad!r} at character {e.start}); give UTF-8 text") from None
 
 
 __all__ = [

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from picompile.errors import ModelLoadError, UnsupportedArchitectureError
+from picompile.frontend.base import check_config_bounds
 
 # architecture class name -> family; a family names the FFN pattern canonicalize-ffn expects.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -82,6 +83,7 @@ def load_hf(spec: str) -> tuple[torch.nn.Module, dict[str, Any], str, dict[str, 
     if path.exists():
         config = read_config(path)
         arch = architecture_of(config, str(path / "config.json"))
+        check_config_bounds(config, str(path / "config.json") if path.is_dir() else str(path))
         _check_weight_files(path)
         source: str = str(path)
     else:

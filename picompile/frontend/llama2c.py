@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from picompile.errors import ModelLoadError
+from picompile.frontend.base import check_config_bounds
 
 if TYPE_CHECKING:
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -118,6 +119,8 @@ def read_header(path: Path) -> Llama2cHeader:
         raise ModelLoadError(f"{path}: too short for a llama2.c checkpoint ({size} bytes, header alone is 28)")
     with open(path, "rb") as fh:
         hdr = _parse_header(fh.read(HEADER_BYTES), path)
+    check_config_bounds({"num_hidden_layers": hdr.n_layers, "hidden_size": hdr.dim, "intermediate_size": hdr.hidden_dim,
+                         "vocab_size": hdr.vocab_size}, str(path))
     sizes = hdr.valid_sizes()
     if size not in sizes:
         want = " or ".join(str(s) for s in sorted(sizes))

@@ -197,7 +197,9 @@ def _check_session(session: Any, opts: BenchOptions) -> str:
     if opts.prompt_len + opts.tokens > session.max_seq_len:
         raise PicompileError(f"--prompt-len {opts.prompt_len} + --tokens {opts.tokens} exceed this artifact's context "
                              f"({session.max_seq_len} tokens)")
-    source = str(manifest.model.get("source") or "")
+    from picompile.formats.provenance import resolve_source
+
+    source = resolve_source(manifest.model) or str(manifest.model.get("source") or "")
     if not source or not Path(source).exists():
         raise PicompileError(f"the artifact's source model {source!r} is not present here; the PyTorch baseline needs it")
     return source

@@ -23,7 +23,9 @@ def rebuild_options(manifest: Any) -> dict[str, Any]:
     from picompile.pipeline import PIPELINES
     from picompile.targets import GiB
 
-    source = manifest.model.get("source")
+    from picompile.formats.provenance import recorded_path, resolve_source
+
+    source = resolve_source(manifest.model) or manifest.model.get("source")
     if not source:
         raise PicompileError("the manifest names no source model (model.source); cannot rebuild it")
     if not Path(source).exists():
@@ -40,7 +42,7 @@ def rebuild_options(manifest: Any) -> dict[str, Any]:
                 vram_budget_gib=int(target.get("vram_bytes", 0)) / GiB)
     corpus = (manifest.sections.get("profile") or {}).get("corpus") or {}
     if corpus.get("kind") in ("text", "tokens"):
-        cal = Path(corpus["source"])
+        cal = Path(recorded_path(corpus.get("sha256")) or corpus["source"])
         if not cal.is_file():
             raise PicompileError(f"the artifact's calibration file {cal} is not found; --sweep rebuilds with it")
         opts["calibration"] = cal

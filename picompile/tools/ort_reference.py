@@ -159,7 +159,9 @@ def for_artifact(root: str | Path, cache_dir: str | Path | None = None, **kwargs
     from picompile.config import default_cache_dir
 
     manifest = read_manifest(Path(root), verify=False)
-    return OrtDenseSession(manifest.model["source"], cache_dir or default_cache_dir(), **kwargs)
+    from picompile.formats.provenance import resolve_source
+
+    return OrtDenseSession(resolve_source(manifest.model) or manifest.model["source"], cache_dir or default_cache_dir(), **kwargs)
 
 
 __all__ = ["OrtDenseSession", "cached_dense_onnx", "export_dense_onnx", "for_artifact", "source_key"]

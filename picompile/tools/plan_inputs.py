@@ -198,7 +198,7 @@ def _artifact_inputs(root: Path, assumptions: Assumptions, sparsity: float | Non
     and predictor sizes; a synthetic profile when it has none or ``sparsity`` / ``locality`` override it."""
     from picompile.formats.artifact import read_manifest
 
-    m = read_manifest(root, verify=False)
+    m = read_manifest(root, verify=False, schema=False)  # numbers for an estimate: nothing is loaded or run
     shape = _artifact_shape(root, m)
     dtype = str((m.weights or {}).get("dtype", "float32"))
     prof = (m.sections or {}).get("profile")
@@ -230,7 +230,9 @@ def _profile_counts(root: Path, prof: dict[str, Any]) -> tuple[dict[int, np.ndar
     """(per layer, each neuron's activation count ``[d_ffn]``; tokens counted) from the artifact's profile file."""
     from safetensors.numpy import load_file
 
-    pf = root / str(prof.get("file", "profile.safetensors"))
+    from picompile.formats.paths import inside
+
+    pf = inside(root, prof.get("file", "profile.safetensors"), "sections.profile.file")
     if not pf.is_file():
         return {}, 0
     t = load_file(str(pf))

@@ -17,12 +17,15 @@ LAYER_COLUMNS: list[str] = ["n_hot", "n_cold", "predictor_kind", "predictor_rank
 
 
 def summary_json(root: Path, m: Manifest) -> dict[str, Any]:
+    from picompile.formats.artifact import content_hash
+
     return {
         "artifact": str(root),
         "format": m.format,
         "format_version": m.format_version,
         "picompile_version": m.picompile_version,
         "created": m.created,
+        "content_hash": content_hash(root),  # sha256 of the manifest without "created": equal for equal builds
         "model": {k: v for k, v in m.model.items() if k != "config"},
         "target": m.target,
         "build": m.build,
@@ -40,12 +43,19 @@ def load_profiles(root: Path, m: Manifest) -> list[LayerProfile]:
     section = m.sections.get("profile")
     if not section:
         raise ArtifactError(f"{root} has no activation profile (built with a pipeline without profile-activations)")
+    from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
-    data = load_file(str(root / section["file"]))
-    n_tokens = int(data["n_tokens"][0])
-    return [LayerProfile(counts=data[f"layer{layer['index']}.counts"], n_tokens=n_tokens, name=layer["module"])
-            for layer in m.layers]
+    from picompile.formats.paths import listed
+
+    path = listed(root, section.get("file"), m.files, "sections.profile.file")
+    try:
+        data = load_file(str(path))
+        n_tokens = int(data["n_tokens"][0])
+        return [LayerProfile(counts=data[f"layer{layer['index']}.counts"], n_tokens=n_tokens, name=layer["module"])
+                for layer in m.layers]
+    except (SafetensorError, OSError, KeyError, IndexError, ValueError, TypeError) as e:
+        raise ArtifactError(f"cannot read the profile {path.name}: {type(e).__name__}: {str(e)[:120]}") from None
 
 
 def plot_profiles(profiles: list[LayerProfile], path: Path, title: str) -> None:
