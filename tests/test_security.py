@@ -289,7 +289,7 @@ def constructor_library(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path,
 @pytest.mark.parametrize("how", ["no-verify", "unlisted", "outside"])
 def test_swapped_kernel_not_loaded(how: str, default_artifact: Path, tmp_path: Path,
                                    constructor_library: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
-    from picompile.ir.ops import KERNEL_TABLE
+    from picompile.kernels.table import KERNEL_TABLE
 
     lib, marker = constructor_library
     art = copy_artifact(default_artifact, tmp_path / "a.pic")
@@ -662,7 +662,7 @@ def guarded_openers(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
 def test_fuzz_artifact(default_artifact: Path, tmp_path: Path, guarded_openers: dict[str, Any]) -> None:
     import random
 
-    from picompile.ir.ops import KERNEL_TABLE
+    from picompile.kernels.table import KERNEL_TABLE
 
     rng = random.Random(22)
     outside = tmp_path / "outside"
