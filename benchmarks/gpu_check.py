@@ -379,7 +379,7 @@ def hybrid_step(opt: Options, art: Path, mode: str) -> dict[str, Any]:
     import picompile
     from picompile.runtime.hybrid import schedulers
 
-    ref, hyb = picompile.load(art, hybrid="off"), picompile.load(art, hybrid=mode)
+    ref, hyb = picompile.load(art, hybrid="off", kernels="artifact"), picompile.load(art, hybrid=mode, kernels="artifact")
     backends = sorted({f"{type(s.hot).__name__}{'+kernel' if getattr(s.hot, 'kernel', None) else ''}"
                        for s in schedulers(hyb.graph)})
     from gpu_check_speed import prompt_ids

@@ -141,12 +141,12 @@ def throughput_step(art: Path, budget: int, mode: str, gpu: str, prompt_len: int
 
     import picompile
 
-    config = picompile.load(art, hybrid="off").manifest.model["config"]
+    config = picompile.load(art, hybrid="off", kernels="artifact").manifest.model["config"]
     sync = torch.cuda.synchronize if gpu == "cuda" else (lambda: None)
     prompt = prompt_ids(int(config["vocab_size"]), prompt_len)
     out: dict[str, Any] = {}
-    out[f"hybrid_{mode}"] = measure(session_engine(picompile.load(art, hybrid=mode)), prompt, n, rounds, sync)
-    out["artifact_cpu"] = measure(session_engine(picompile.load(art, hybrid="off")), prompt, n, rounds, sync)
+    out[f"hybrid_{mode}"] = measure(session_engine(picompile.load(art, hybrid=mode, kernels="artifact")), prompt, n, rounds, sync)
+    out["artifact_cpu"] = measure(session_engine(picompile.load(art, hybrid="off", kernels="artifact")), prompt, n, rounds, sync)
     dense = hf_model(config, torch.float16 if gpu == "cuda" else torch.float32, gpu)
     out["torch_dense_gpu"] = measure(torch_engine(dense, gpu), prompt, n, rounds, sync)
     del dense

@@ -24,6 +24,11 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "picompile"
 
 
+def kernel_cache_dir() -> Path:
+    """Where compiled TVM kernels are kept, by spec key: what builds compile into and loads compile from."""
+    return default_cache_dir() / "kernels"
+
+
 @dataclass
 class BuildConfig:
     """Options of ``picompile build`` (CLI flags map one to one)."""
@@ -52,7 +57,7 @@ class BuildConfig:
     # is tuned on the rounded weights); float16 halves the bytes a float32 build's predictors cost per token
     placement_batch: int = 64  # neurons per placement decision (PowerInfer: 64 in the paper, 256 in code)
     min_layer_neurons: int = 0  # a layer using the GPU holds at least this many hot neurons (0 = off)
-    kernel_cache: Path = field(default_factory=lambda: default_cache_dir() / "kernels")  # compiled TVM kernels
+    kernel_cache: Path = field(default_factory=kernel_cache_dir)  # compiled TVM kernels
     seed: int = 0
     print_after: list[str] = field(default_factory=list)  # pass names, or "all"
     dump_ir: Path | None = None  # one readable file per pass

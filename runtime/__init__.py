@@ -9,7 +9,7 @@ from picompile.runtime.session import Session
 
 def load(path: str | Path, verify: bool = True, dense: bool = False, hybrid: str = "auto",
          compile: bool = False, prefill_dtype: str | None = None, *, print_after: Sequence[str] = (),
-         dump_ir: str | Path | None = None, emit: Callable[[str], None] = print) -> Session:
+         dump_ir: str | Path | None = None, emit: Callable[[str], None] = print, kernels: str = "local") -> Session:
     """Load an artifact directory: check its manifest version and checksums, bind weights, return a Session.
 
     ``dense=True`` computes every FFN neuron (predictors dropped): the artifact's own dense reference.
@@ -28,13 +28,19 @@ def load(path: str | Path, verify: bool = True, dense: bool = False, hybrid: str
     The graph rewrites of the load are a named list of steps (``runtime/load_pipeline.py``), which these
     options decide and ``session.load_steps`` reports: ``print_after`` (step names, or "all") emits the
     graphs a step wrote after it, ``dump_ir`` writes one ``NNN_step.txt`` per step to that directory.
+    ``kernels``: "local" (default) compiles the artifact's TVM kernels here from their specs (or takes them from
+    the local kernel cache), so no native code of the artifact runs; "artifact" loads its own libraries (for a
+    machine without TVM's compiler, and only for an artifact whose builder you trust).
     """
     from picompile.formats.artifact import read_manifest
     from picompile.runtime.hybrid import check_mode
     from picompile.runtime.load_pipeline import LoadRun, load_steps
     from picompile.runtime.loader import load_graph, load_options
 
-    check_mode(hybrid)  # a bad mode or prefill dtype fails before anything is read
+    from picompile.runtime.loader import check_kernel_source
+
+    check_mode(hybrid)  # a bad mode, kernel source or prefill dtype fails before anything is read
+    check_kernel_source(kernels)
     from picompile.runtime.compute_dtype import resolve
 
     resolve(prefill_dtype)
@@ -53,7 +59,7 @@ def load(path: str | Path, verify: bool = True, dense: bool = False, hybrid: str
                            prefill_dtype=prefill_dtype)
     # an unknown print_after name fails here, before the graph is read
     run = LoadRun(load_steps(options), print_after=list(print_after), dump_ir=_path(dump_ir), emit=emit)
-    graph = load_graph(root, manifest, dense=dense, hybrid=hybrid, direct=True, run=run)
+    graph = load_graph(root, manifest, dense=dense, hybrid=hybrid, direct=True, run=run, kernels=kernels)
     tokenizer = None
     if manifest.tokenizer:
         from picompile.formats.tokenizers import load_tokenizer_entry

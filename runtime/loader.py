@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from torch import fx
 
 import picompile.ir.ops  # noqa: F401  (registers the ops the graph calls)
-from picompile.errors import ArtifactError
+from picompile.errors import ArtifactError, InputError
 from picompile.formats.archive import check_graph_archive
 from picompile.formats.artifact import Manifest, verify_listed
 from picompile.formats.paths import inside, listed
@@ -115,7 +115,7 @@ def load_options(manifest: Manifest, dense: bool = False, hybrid: str = "off", d
 
 
 def load_graph(root: Path, manifest: Manifest, dense: bool = False, hybrid: str = "off",
-               direct: bool = False, run: Optional[LoadRun] = None) -> fx.GraphModule:
+               direct: bool = False, run: Optional[LoadRun] = None, kernels: str = "local") -> fx.GraphModule:
     """The executable decoder-step graph: forward(input_ids, *past) -> (logits, *presents).
 
     ``dense``: drop the predictor masks, so every neuron is computed (see :func:`drop_masks`).
@@ -124,13 +124,15 @@ def load_graph(root: Path, manifest: Manifest, dense: bool = False, hybrid: str 
     ``direct``: picompile ops called past torch's dispatcher (:func:`picompile.ir.ops.call_directly`) and
     torch.export's metadata asserts dropped — for running, not for exporting or printing the graph.
     ``run``: the load these steps are part of (its print_after / dump_ir; by default a run of its own).
+    ``kernels``: where the TVM kernels come from (:func:`load_kernels`): "local" (compiled here from their specs)
+    or "artifact" (the artifact's own libraries: native code of whoever built it).
     """
     options = load_options(manifest, dense=dense, hybrid=hybrid, direct=direct)
     names = graph_steps(options)
     run = run if run is not None else LoadRun(names)
     ep = read_exported(root, manifest)
     tensors = read_weights(root, manifest)
-    load_kernels(root, manifest.sections.get("kernels") or [], manifest)
+    load_kernels(root, manifest.sections.get("kernels") or [], manifest, source=kernels)
     g = manifest.graph
     state = LoadState(graph=ep.module(), options=options, n_inputs=1 + int(g["n_past"]), weight_keys=list(g["weights"]), tensors=tensors)
     del ep, tensors  # the state holds them until bind-weights binds them (then the file's mapping can go)
@@ -153,15 +155,31 @@ def stale_kernels(entries: list[dict[str, Any]]) -> list[str]:
                             f"({type(e).__name__}: {str(e)[:120]})") from None
 
 
-def load_kernels(root: Path, entries: list[dict[str, Any]], manifest: Manifest | None = None) -> None:
+KERNEL_SOURCES: tuple[str, ...] = ("local", "artifact")
+
+
+def check_kernel_source(source: str) -> None:
+    if source not in KERNEL_SOURCES:
+        raise InputError(f"kernels must be one of {', '.join(KERNEL_SOURCES)}, got {source!r}")
+
+
+def load_kernels(root: Path, entries: list[dict[str, Any]], manifest: Manifest | None = None,
+                 source: str = "local") -> None:
     """Load the kernels a manifest lists ("kernels") into this process's table (``picompile.kernels.table``,
     where the tvm ops find them; TVM runtime only).
 
-    CUDA kernels are loaded only where a CUDA device is present.
+    CUDA kernels are loaded only where a CUDA device is present. ``source="local"`` (the default) loads no
+    native code of the artifact's: each kernel is compiled on this machine from its spec (data: kind, shapes,
+    dtypes), or taken from the local kernel cache where a build already compiled it, for this CPU;
+    the artifact's libraries are still checked (confined, listed, checksums) as evidence the artifact is whole.
+    ``source="artifact"`` dlopens the artifact's own libraries: for machines without TVM's compiler, and only
+    for artifacts whose builder you trust.
     """
+    check_kernel_source(source)
     if not entries:
         return
-    from picompile.kernels import KERNEL_ABI_VERSION, KernelSpec, load_kernel
+    from picompile.config import kernel_cache_dir
+    from picompile.kernels import KERNEL_ABI_VERSION, KernelSpec, build_kernel, load_kernel
     from picompile.kernels.table import add_kernel, find_kernel
 
     stale = stale_kernels(entries)
@@ -183,6 +201,8 @@ def load_kernels(root: Path, entries: list[dict[str, Any]], manifest: Manifest |
             verify_listed(root, manifest, Path(entry["file"]).with_suffix(".json").as_posix(),
                           f"sections.kernels {entry['key']} metadata")
         try:
+            if source == "local":
+                path = build_kernel(spec, kernel_cache_dir())
             add_kernel(entry["key"], load_kernel(path, spec))
         except Exception as e:
             raise ArtifactError(f"cannot load kernel {entry['file']} of {root}: {type(e).__name__}: {e}") from None

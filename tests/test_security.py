@@ -322,6 +322,51 @@ def test_swapped_kernel_not_loaded(how: str, default_artifact: Path, tmp_path: P
     assert not marker.exists()
 
 
+def test_resummed_kernel_swap_runs_no_code_by_default(default_artifact: Path, tmp_path: Path,
+                                                      constructor_library: tuple[Path, Path]) -> None:
+    """The attack checksums cannot stop: a kernel library swapped and every sum recomputed. By default the
+    runtime compiles its kernels here from their specs (kernels="local"), so the artifact's library never
+    runs; only --trust-kernels (kernels="artifact") dlopens it, and then its constructor runs."""
+    from picompile.kernels.table import KERNEL_TABLE
+
+    lib, marker = constructor_library
+    art = copy_artifact(default_artifact, tmp_path / "a.pic")
+    m = manifest_of(art)
+    for entry in m["sections"]["kernels"]:
+        shutil.copy(lib, art / entry["file"])
+    write_manifest(art, m)
+    saved = dict(KERNEL_TABLE)
+    KERNEL_TABLE.clear()  # as in a fresh process: nothing loaded yet
+    try:
+        assert main(["run", str(art), "--ids", "1,2,3", "-n", "4"]) == 0
+        assert not marker.exists()
+        KERNEL_TABLE.clear()
+        main(["run", str(art), "--ids", "1", "-n", "1", "--trust-kernels"])  # the stand-in exports no kernel
+        assert marker.exists()
+    finally:
+        KERNEL_TABLE.clear()
+        KERNEL_TABLE.update(saved)
+        marker.unlink(missing_ok=True)
+
+
+def test_local_kernels_equal_the_artifacts(default_artifact: Path) -> None:
+    """Both kernel sources compute the same logits (the local ones are the same specs compiled here)."""
+    from picompile.kernels.table import KERNEL_TABLE
+
+    saved = dict(KERNEL_TABLE)
+    try:
+        out = {}
+        for source in ("local", "artifact"):
+            KERNEL_TABLE.clear()
+            out[source] = picompile.load(default_artifact, hybrid="off", kernels=source).logits([1, 5, 9, 2])
+        assert (out["local"] - out["artifact"]).abs().max().item() == 0.0
+        with pytest.raises(PicompileError, match="kernels must be one of local, artifact"):
+            picompile.load(default_artifact, kernels="elsewhere")
+    finally:
+        KERNEL_TABLE.clear()
+        KERNEL_TABLE.update(saved)
+
+
 # ----------------------------------------------------------------------------- 4. build -o never replaces user data
 
 @pytest.mark.parametrize("manifest", ['{"name": "my notes"}', '{"format": "other-tool"}', "not json", "[1, 2]"])

@@ -22,6 +22,9 @@ def add_load_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-dtype", choices=["bfloat16"],
                    help="compute the prompt's GEMMs in bfloat16 on copies of the weights (CPUs with AMX or "
                         "AVX512-BF16: faster prefill, coarser logits, more memory); decode is unchanged")
+    p.add_argument("--trust-kernels", action="store_true",
+                   help="load the artifact's own compiled kernel libraries (native code: only from a builder you "
+                        "trust) instead of compiling them here from their specs (default; cached after the first load)")
     p.add_argument("--print-after", action="append", metavar="STEP",
                    help="print the graph after load step STEP (repeatable, comma-separated; 'all')")
     p.add_argument("--dump-ir", metavar="DIR", help="write the graph after every load step to DIR/NNN_STEP.txt")
@@ -38,7 +41,7 @@ def load_kwargs(args: argparse.Namespace, to_stderr: bool = False) -> dict[str, 
 
     return dict(hybrid=args.hybrid, compile=args.compile, prefill_dtype=args.prefill_dtype,
                 print_after=split_names(args.print_after), dump_ir=Path(args.dump_ir) if args.dump_ir else None,
-                emit=emit)
+                emit=emit, kernels="artifact" if args.trust_kernels else "local")
 
 
 def add_parser(sub: Any) -> None:
