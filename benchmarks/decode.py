@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from picompile.formats.provenance import resolve_source
 from picompile.formats.artifact import is_artifact, read_manifest
 from picompile.tools.bench import run_bench
 from picompile.tools.bench_report import print_report
@@ -55,7 +56,7 @@ def artifact_for(checkpoint: Path, cache: Path, calibration_tokens: int, predict
     if is_artifact(out) and not rebuild:
         m = read_manifest(out, verify=False)
         same_weights = m.model.get("config", {}).get("picompile_synthetic") == synthetic_params_of(checkpoint)
-        if (same_weights and m.model.get("source") == str(checkpoint) and m.build.get("predictor") == predictor
+        if (same_weights and resolve_source(m.model) == str(checkpoint.absolute()) and m.build.get("predictor") == predictor
                 and (m.sections.get("profile") or {}).get("n_tokens") == calibration_tokens
                 and m.weights.get("dtype", "float32") == weight_dtype
                 and (predictor != "trained" or m.build.get("predictor_kind", "mlp") == predictor_kind)  # before: mlp
