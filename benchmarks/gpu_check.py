@@ -33,8 +33,8 @@ Prepared on the CPU side (``--dry-run`` does it; everything cached, a rerun reus
 every arch in ``--archs`` (sm_80, sm_89, sm_90; only the device's arch travels, in ``.gpu_check/kernels``),
 the artifact in ``.gpu_check/`` with its llvm kernels built for ``x86-64-v3`` (the device's CPU is another
 one; AVX2 runs on any x86-64 server of the last decade), and the TVM runtime libraries in ``.gpu_check/tvm/lib``.
-The device also needs ``apache-tvm-ffi==0.1.14.post1`` for its Python (3.12): carry its wheel in ``.whl``
-(``/work/.library/device/README.md``) and start with the README's ``pip install --target /tmp/site`` line.
+The device also needs ``apache-tvm-ffi==0.1.14.post1`` for its Python (3.12): the dry run downloads its wheel
+into ``.whl`` (``prepare_wheels``; ignored, carried) and the device command installs it with ``pip install --target``.
 Device command (carry ``.gpu_check`` and ``.whl``; timeout 420 s)::
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \\
@@ -333,6 +333,31 @@ def prepare_runtime(opt: Options) -> dict[str, Any]:
             **({} if ok else {"error": "the working tree and the carried folders exceed 64 MiB"})}
 
 
+WHEEL_DIR = ROOT / ".whl"  # ignored; carried: wheels the device's Python lacks
+DEVICE_WHEELS = ("apache-tvm-ffi==0.1.14.post1",)  # the TVM FFI this picompile pins (pyproject.toml)
+DEVICE_PYTHON = "3.12"
+
+
+def prepare_wheels(emit: Callable[[str], None]) -> dict[str, Any]:
+    """Download the device's missing wheels (for its Python 3.12) into ``.whl`` unless they are there."""
+    import subprocess
+
+    WHEEL_DIR.mkdir(exist_ok=True)
+    have = [w.name for w in WHEEL_DIR.glob("*.whl")]
+    wanted = [spec for spec in DEVICE_WHEELS
+              if not any(name.startswith(spec.split("==")[0].replace("-", "_") + "-" + spec.split("==")[1] + "-cp"
+                                         + DEVICE_PYTHON.replace(".", "")) for name in have)]
+    for spec in wanted:
+        emit(f"downloading {spec} for Python {DEVICE_PYTHON} into {WHEEL_DIR}")
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version",
+               DEVICE_PYTHON, "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
+               "-d", str(WHEEL_DIR), spec]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            return {"ok": False, "error": f"pip download {spec}: {done.stderr.strip().splitlines()[-1:]}"}
+    return {"ok": True, "wheels": sorted(w.name for w in WHEEL_DIR.glob("*.whl")), "downloaded": wanted}
+
+
 def _tree_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
 
@@ -450,6 +475,8 @@ def main(argv: list[str] | None = None) -> int:
         opt.prebuilt.mkdir(parents=True, exist_ok=True)
         report.step("prepare_kernels", lambda: prepare_kernels(opt, emit), emit)
         artifact = report.step("prepare_artifact", lambda: prepare_artifact(opt, emit), emit) or {}
+        if opt.shape.name == "plan":  # the real plan's device needs them; the test's tiny dry run stays offline
+            report.step("prepare_wheels", lambda: prepare_wheels(emit), emit)
         report.step("prepare_runtime", lambda: prepare_runtime(opt), emit)
         report.step("kernels", lambda: kernels_step(opt, emit, "cpu"), emit)
         report.step("hybrid", lambda: hybrid_step(opt, art, "thread"), emit)
