@@ -60,7 +60,7 @@ import shutil
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -209,23 +209,6 @@ class Report:
 
 
 # -- prepare (CPU side) --------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def portable_llvm() -> Iterator[None]:
-    """llvm kernels built for ``PORTABLE_MCPU`` instead of this machine's CPU (the artifact runs on another).
-
-    A hook into ``kernels/cpu.py`` (owned elsewhere): an mcpu option of the builder would replace it."""
-    import tvm
-
-    import picompile.kernels.cpu as cpu
-
-    native = cpu.host_target
-    cpu.host_target = lambda: tvm.target.Target({"kind": "llvm", "mcpu": PORTABLE_MCPU, "opt-level": 3})
-    try:
-        yield
-    finally:
-        cpu.host_target = native
-
-
 def kernel_dir(opt: Options, arch: str) -> Path:
     """Where the CUDA kernels of ``arch`` are built: the carried folder for the device's arch."""
     return opt.prebuilt / "kernels" if arch == DEVICE_ARCH else opt.work / "kernels" / arch
@@ -278,7 +261,7 @@ def prepare_artifact(opt: Options, emit: Callable[[str], None]) -> dict[str, Any
     budget, model_bytes = budget_bytes(config, max_seq)
     build = dict(target="h200", vram_budget_gib=budget / (1 << 30), weight_dtype="float16", max_seq_len=max_seq,
                  calibration_tokens=opt.shape.calibration_tokens, placement_batch=opt.shape.placement_batch,
-                 predictor="trained", kernel_cache=opt.work / "kernels" / "portable")
+                 predictor="trained", kernel_cache=opt.work / "kernels" / "portable", cpu_mcpu=PORTABLE_MCPU)
     stamp = {**{k: str(v) for k, v in build.items()}, "synthetic": config.get("picompile_synthetic"),
              "mcpu": PORTABLE_MCPU}
     out = opt.prebuilt / f"{opt.shape.model}.pic"
@@ -287,8 +270,7 @@ def prepare_artifact(opt: Options, emit: Callable[[str], None]) -> dict[str, Any
               and not stale_kernels(read_manifest(out, verify=False).sections.get("kernels") or []))
     if not reused:
         emit(f"  building {out.name} (budget {budget / 2**20:.1f} MiB of a {model_bytes / 2**20:.1f} MiB model)")
-        with portable_llvm():
-            picompile.build(ckpt, output=out, emit=lambda s: None, progress=False, **build)
+        picompile.build(ckpt, output=out, emit=lambda s: None, progress=False, **build)
         stamp_file.write_text(json.dumps(stamp, indent=1))
     return {"ok": True, "artifact": str(out), "reused": reused, "budget_bytes": budget, "model_bytes": model_bytes,
             **check_artifact(out, model_bytes)}

@@ -40,7 +40,7 @@ def _locked(lock_path: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _expected_meta(spec: KernelSpec) -> dict[str, Any]:
+def _expected_meta(spec: KernelSpec, mcpu: str | None = None) -> dict[str, Any]:
     """Fields a cached entry must match (computed with TVM imported: the build path only)."""
     import tvm
 
@@ -57,7 +57,7 @@ def _expected_meta(spec: KernelSpec) -> dict[str, Any]:
     else:
         from .cpu import build_cores, host_target
 
-        meta["compile_target"] = str(host_target())
+        meta["compile_target"] = str(host_target(mcpu))
         meta["cores"] = build_cores()  # the y-chunking is sized for this many cores
     return meta
 
@@ -80,8 +80,11 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def build_kernel(spec: KernelSpec, cache_dir: Path) -> Path:
+def build_kernel(spec: KernelSpec, cache_dir: Path, mcpu: str | None = None) -> Path:
     """Compile ``spec`` (or reuse ``cache_dir/<key>.so``) and return the library path.
+
+    ``mcpu``: the LLVM CPU a CPU kernel is built for (default: this machine's); an entry built for another
+    CPU is rebuilt (the cache holds one build per key: keep other CPUs' builds in a cache of their own).
 
     The library exports ``<key>`` (decode, x ``[d_model]``) and, on the CPU, ``<key>_batch``
     (x ``[t, d_model]``). Load it with ``load_kernel(path, spec)``.
@@ -92,7 +95,7 @@ def build_kernel(spec: KernelSpec, cache_dir: Path) -> Path:
     key = spec.key()
     lib_path = cache_dir / f"{key}.so"
     meta_path = cache_dir / f"{key}.json"
-    expected = _expected_meta(spec)
+    expected = _expected_meta(spec, mcpu)
     if _cache_hit(lib_path, meta_path, expected):
         return lib_path
     with _locked(cache_dir / f"{key}.lock"):
@@ -105,7 +108,7 @@ def build_kernel(spec: KernelSpec, cache_dir: Path) -> Path:
 
             extra = compile_cuda(spec, tmp_lib, cache_dir)
         else:
-            extra = _compile_cpu(spec, tmp_lib)
+            extra = _compile_cpu(spec, tmp_lib, mcpu)
         os.replace(tmp_lib, lib_path)
         meta = {**expected, **extra, "build_seconds": round(time.perf_counter() - t0, 3), "built_at": time.time()}
         _atomic_write_text(meta_path, json.dumps(meta, indent=1, sort_keys=True))
@@ -113,7 +116,7 @@ def build_kernel(spec: KernelSpec, cache_dir: Path) -> Path:
     return lib_path
 
 
-def _compile_cpu(spec: KernelSpec, out: Path) -> dict[str, Any]:
+def _compile_cpu(spec: KernelSpec, out: Path, mcpu: str | None = None) -> dict[str, Any]:
     """Decode (+ batched, except kind ``predict``: one token only) PrimFuncs → one LLVM module → ``out`` (.so)."""
     import tvm
 
@@ -135,6 +138,6 @@ def _compile_cpu(spec: KernelSpec, out: Path) -> dict[str, Any]:
         name = key + ("_batch" if batched else "")
         funcs[name] = cpu.as_named(cpu.schedule(desc, spec), name)
     mod = tvm.IRModule(funcs)
-    lib = tvm.compile(mod, target=cpu.host_target())
+    lib = tvm.compile(mod, target=cpu.host_target(mcpu))
     lib.export_library(str(out))
     return {"batched": batched_too, "arg_names": arg_names, "functions": sorted(funcs)}

@@ -42,6 +42,7 @@ the inactive-row guard are TIR rewrites after the schedule primitives (``cpu_rew
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import tvm
@@ -96,9 +97,15 @@ def build_cores() -> int:
     return physical_cores()
 
 
-def host_target() -> tvm.target.Target:
-    """LLVM target for this machine's CPU (e.g. ``mcpu=emeraldrapids``: AVX-512, F16C)."""
-    cpu = tvm.target.codegen.llvm_get_system_cpu()
+MCPU_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
+
+
+def host_target(mcpu: str | None = None) -> tvm.target.Target:
+    """LLVM target for ``mcpu`` (an LLVM CPU name, e.g. ``x86-64-v3`` for kernels that run on any AVX2 x86-64),
+    by default this machine's CPU (e.g. ``mcpu=emeraldrapids``: AVX-512, F16C)."""
+    if mcpu is not None and not MCPU_RE.match(mcpu):
+        raise ValueError(f"not an LLVM CPU name: {mcpu!r}")
+    cpu = mcpu or tvm.target.codegen.llvm_get_system_cpu()
     return tvm.target.Target({"kind": "llvm", "mcpu": cpu, "opt-level": 3})
 
 

@@ -33,7 +33,7 @@ def _build(ctx: BuildContext, spec: Any, entries: dict[str, dict[str, Any]], use
 
     key = spec.key()
     if key not in entries:
-        path = build_kernel(spec, ctx.config.kernel_cache)
+        path = build_kernel(spec, ctx.config.kernel_cache, ctx.config.cpu_mcpu)
         dest = ctx.staging_dir / KERNEL_DIR
         dest.mkdir(exist_ok=True)
         shutil.copyfile(path, dest / path.name)  # the library …

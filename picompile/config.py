@@ -1,6 +1,7 @@
 """Build configuration: everything a pass may read comes from here (through the BuildContext)."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -58,6 +59,7 @@ class BuildConfig:
     placement_batch: int = 64  # neurons per placement decision (PowerInfer: 64 in the paper, 256 in code)
     min_layer_neurons: int = 0  # a layer using the GPU holds at least this many hot neurons (0 = off)
     kernel_cache: Path = field(default_factory=kernel_cache_dir)  # compiled TVM kernels
+    cpu_mcpu: str | None = None  # LLVM CPU the CPU kernels are built for (None: this machine's)
     seed: int = 0
     print_after: list[str] = field(default_factory=list)  # pass names, or "all"
     dump_ir: Path | None = None  # one readable file per pass
@@ -93,6 +95,9 @@ class BuildConfig:
             (self.predictor_kind in ("linear", "mlp"), "--predictor-kind must be linear or mlp", self.predictor_kind),
             (self.predictor in ("trained", "oracle", "none"), "--predictor must be trained, oracle or none", self.predictor),
             (self.max_seq_len is None or self.max_seq_len >= 2, "--max-seq-len must be >= 2", self.max_seq_len),
+            (self.cpu_mcpu is None or (isinstance(self.cpu_mcpu, str) and re.match(r"^[a-z0-9][a-z0-9_.-]{0,63}$",
+                                                                               self.cpu_mcpu) is not None),
+             "--cpu-mcpu must be an LLVM CPU name (e.g. x86-64-v3)", self.cpu_mcpu),
         ]
         for ok, message, value in [*self.type_checks(), *checks]:
             if not ok:

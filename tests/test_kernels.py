@@ -324,6 +324,36 @@ def test_spec_key_is_stable_and_validated() -> None:
             KernelSpec(**fields)
 
 
+def test_kernel_built_for_another_cpu(tmp_path: Path) -> None:
+    """--cpu-mcpu: a CPU kernel built for a named LLVM CPU (x86-64-v3: AVX2, runs on any recent x86-64) records
+    it, computes the same result, and is rebuilt when this machine's own build is asked for."""
+    import json
+
+    from picompile.config import BuildConfig
+    from picompile.errors import PicompileError
+
+    spec = KernelSpec("up", "relu", 64, 96, "float32", False, "llvm")
+    before = build_count()
+    portable = build_kernel(spec, tmp_path / "portable", mcpu="x86-64-v3")
+    meta = json.loads(portable.with_suffix(".json").read_text())
+    assert "x86-64-v3" in meta["compile_target"] and build_count() == before + 1
+    native = build_kernel(spec, tmp_path / "portable")  # the same cache, another CPU: rebuilt, not reused
+    assert build_count() == before + 2 and "x86-64-v3" not in json.loads(native.with_suffix(".json").read_text())["compile_target"]
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, generator=gen), torch.randn(96, 64, generator=gen)
+    idx = torch.arange(96, dtype=torch.int32)
+    out = []
+    for mcpu in ("x86-64-v3", None):
+        kern = load_kernel(build_kernel(spec, tmp_path / str(mcpu), mcpu=mcpu), spec)
+        y = torch.empty(96)
+        kern(x, w, None, None, idx, y)  # x, w_up, w_gate, b_up, idx, h
+        out.append(y)
+    torch.testing.assert_close(out[0], out[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[0], torch.relu(w @ x), rtol=1e-4, atol=1e-4)
+    with pytest.raises(PicompileError, match="--cpu-mcpu"):
+        BuildConfig(model="m", output=tmp_path / "o.pic", cpu_mcpu="x86 64; rm -rf").validate()
+
+
 def test_cache_reuses_compiled_library(tmp_path: Path) -> None:
     spec = KernelSpec("down", "none", 64, 96, "float32", False, "llvm")
     before = build_count()

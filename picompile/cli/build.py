@@ -27,6 +27,9 @@ def add_parser(sub: Any) -> None:
     b.add_argument("--calibration-tokens", type=int_range(16, 1 << 31), default=4096, metavar="N", help="tokens to profile (default 4096)")
     b.add_argument("--act-sparsity", type=finite_float(0.0, 1.0, hi_open=True), default=0.5, metavar="F",
                    help="non-ReLU FFNs: mean fraction of neurons counted inactive per layer (default 0.5)")
+    b.add_argument("--cpu-mcpu", metavar="CPU",
+                   help="LLVM CPU the CPU kernels are built for (default: this machine's; e.g. x86-64-v3 for an "
+                        "artifact another x86-64 machine loads with --trust-kernels)")
     b.add_argument("--weight-dtype", choices=["float32", "float16"], default="float32",
                    help="dtype of the linear and FFN weights in the artifact (float16: half the bytes per token; "
                         "activations, norms, embeddings and the KV cache stay float32)")
@@ -74,7 +77,7 @@ def cmd(args: argparse.Namespace) -> int:
         progress=not args.quiet, calibration_tokens=args.calibration_tokens, act_sparsity=args.act_sparsity,
         act_criterion=args.act_criterion, sparsity_allocation=args.sparsity_allocation, allocation_tokens=args.allocation_tokens, recall_target=args.recall_target, predictor_budget=args.predictor_budget,
         predictor_kind=args.predictor_kind,
-        placement_batch=args.placement_batch, min_layer_neurons=args.min_layer_neurons, weight_dtype=args.weight_dtype,
+        placement_batch=args.placement_batch, min_layer_neurons=args.min_layer_neurons, weight_dtype=args.weight_dtype, cpu_mcpu=args.cpu_mcpu,
         predictor_dtype=args.predictor_dtype,
     )
     err = console()
