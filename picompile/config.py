@@ -25,6 +25,11 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "picompile"
 
 
+# an LLVM CPU name, as picompile.kernels.cpu.MCPU_RE accepts (the kernels import nothing of picompile, and the
+# config nothing above it: the rule is stated in both, checked here before a build starts)
+MCPU_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
+
+
 def kernel_cache_dir() -> Path:
     """Where compiled TVM kernels are kept, by spec key: what builds compile into and loads compile from."""
     return default_cache_dir() / "kernels"
@@ -95,8 +100,7 @@ class BuildConfig:
             (self.predictor_kind in ("linear", "mlp"), "--predictor-kind must be linear or mlp", self.predictor_kind),
             (self.predictor in ("trained", "oracle", "none"), "--predictor must be trained, oracle or none", self.predictor),
             (self.max_seq_len is None or self.max_seq_len >= 2, "--max-seq-len must be >= 2", self.max_seq_len),
-            (self.cpu_mcpu is None or (isinstance(self.cpu_mcpu, str) and re.match(r"^[a-z0-9][a-z0-9_.-]{0,63}$",
-                                                                               self.cpu_mcpu) is not None),
+            (self.cpu_mcpu is None or (isinstance(self.cpu_mcpu, str) and MCPU_RE.match(self.cpu_mcpu) is not None),
              "--cpu-mcpu must be an LLVM CPU name (e.g. x86-64-v3)", self.cpu_mcpu),
         ]
         for ok, message, value in [*self.type_checks(), *checks]:
