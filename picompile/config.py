@@ -13,7 +13,8 @@ SparsityAllocation = Literal["greedy", "uniform"]
 RELU_RECALL: float = 0.95
 DENSE_RECALL: float = 0.99
 ActCriterion = Literal["gate", "product"]
-WeightDType = Literal["float32", "float16"]
+WeightDType = Literal["float32", "float16", "int8", "int4"]  # int8/int4: picompile.kernels.qformat
+PredictorDType = Literal["float32", "float16"]
 
 
 def default_cache_dir() -> Path:
@@ -59,7 +60,8 @@ class BuildConfig:
     predictor_kind: PredictorKind = "linear"  # linear: reduced-rank regression (Deja Vu form); mlp: PowerInfer's, BCE
     predictor_epochs: int = 20  # mlp predictors only
     weight_dtype: WeightDType = "float32"  # linear and FFN weights in the artifact (pass convert-weights)
-    predictor_dtype: WeightDType = "float16"  # trained predictors' fc1/fc2 (an approximation already: the threshold
+    quant_block: int = 32  # int8/int4: elements per float16 scale (picompile.kernels.qformat.BLOCKS)
+    predictor_dtype: PredictorDType = "float16"  # trained predictors' fc1/fc2 (an approximation already: the threshold
     # is tuned on the rounded weights); float16 halves the bytes a float32 build's predictors cost per token
     placement_batch: int = 64  # neurons per placement decision (PowerInfer: 64 in the paper, 256 in code)
     min_layer_neurons: int = 0  # a layer using the GPU holds at least this many hot neurons (0 = off)
@@ -82,7 +84,9 @@ class BuildConfig:
 
         checks = [
             (0.0 <= self.act_sparsity < 1.0, "--act-sparsity must be in [0, 1)", self.act_sparsity),
-            (self.weight_dtype in ("float32", "float16"), "--weight-dtype must be float32 or float16", self.weight_dtype),
+            (self.weight_dtype in ("float32", "float16", "int8", "int4"), "--weight-dtype must be float32, float16, int8 "
+             "or int4", self.weight_dtype),
+            (self.quant_block in (32, 64, 128, 256), "--quant-block must be 32, 64, 128 or 256", self.quant_block),
             (self.predictor_dtype in ("float32", "float16"), "--predictor-dtype must be float32 or float16",
              self.predictor_dtype),
             (self.act_criterion in ("gate", "product"), "--act-criterion must be gate or product", self.act_criterion),
@@ -119,7 +123,7 @@ class BuildConfig:
 
         ints = {"calibration_tokens": "--calibration-tokens", "allocation_tokens": "--allocation-tokens",
                 "predictor_epochs": "predictor_epochs", "placement_batch": "--placement-batch",
-                "min_layer_neurons": "--min-layer-neurons", "seed": "--seed"}
+                "min_layer_neurons": "--min-layer-neurons", "seed": "--seed", "quant_block": "--quant-block"}
         nums = {"act_sparsity": "--act-sparsity", "allocation_step": "--allocation-step",
                 "predictor_budget": "--predictor-budget"}
         optional = {"max_seq_len": ("--max-seq-len", is_int), "recall_target": ("--recall-target", is_num),

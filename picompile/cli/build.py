@@ -30,9 +30,12 @@ def add_parser(sub: Any) -> None:
     b.add_argument("--cpu-mcpu", metavar="CPU",
                    help="LLVM CPU the CPU kernels are built for (default: this machine's; e.g. x86-64-v3 for an "
                         "artifact another x86-64 machine loads with --trust-kernels)")
-    b.add_argument("--weight-dtype", choices=["float32", "float16"], default="float32",
-                   help="dtype of the linear and FFN weights in the artifact (float16: half the bytes per token; "
-                        "activations, norms, embeddings and the KV cache stay float32)")
+    b.add_argument("--weight-dtype", choices=["float32", "float16", "int8", "int4"], default="float32",
+                   help="format of the linear and FFN weights in the artifact (float16: half the bytes per token; "
+                        "int8 / int4: blocks of --quant-block elements with one float16 scale, as llama.cpp's "
+                        "q8_0 / q4_0; activations, norms, embeddings and the KV cache stay float32)")
+    b.add_argument("--quant-block", type=int, choices=[32, 64, 128, 256], default=32, metavar="N",
+                   help="int8/int4: elements per float16 scale (default 32, as llama.cpp)")
     b.add_argument("--predictor-dtype", choices=["float32", "float16"], default="float16",
                    help="dtype of the trained predictors' weights (default float16, also in float32 builds: the "
                         "threshold is tuned on the rounded weights, and the predictors cost half the bytes)")
@@ -78,6 +81,7 @@ def cmd(args: argparse.Namespace) -> int:
         act_criterion=args.act_criterion, sparsity_allocation=args.sparsity_allocation, allocation_tokens=args.allocation_tokens, recall_target=args.recall_target, predictor_budget=args.predictor_budget,
         predictor_kind=args.predictor_kind,
         placement_batch=args.placement_batch, min_layer_neurons=args.min_layer_neurons, weight_dtype=args.weight_dtype, cpu_mcpu=args.cpu_mcpu,
+        quant_block=args.quant_block,
         predictor_dtype=args.predictor_dtype,
     )
     err = console()
