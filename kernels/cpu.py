@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import tvm
 from tvm import s_tir, tirx
 
-from .compute import KernelDesc
+from .compute import CHUNK, KernelDesc, dot_extent
 from .cpu_rewrite import Prefetch, add_prefetch, guard_inactive_rows
 from .spec import KernelSpec, skips_inactive
 
@@ -89,14 +89,21 @@ def default_params(spec: KernelSpec, cores: int | None = None) -> CpuSchedulePar
         # 64 lanes span several blocks (and int4 interleaves two half-blocks in one byte run): they are
         # unrolled into 16-lane vectors, each inside one half-block, so every load is a contiguous 16
         # (int8: 16-byte, int4: 16-byte of nibble pairs, one half each) and the scale one broadcast
-        # (d_model is a multiple of the block, >= 32, so 64 | d or 32 | d)
-        up_lanes = down_lanes = _largest_divisor(d, (64, 32))
+        # (d_model is a multiple of the block, >= 32, so 64 | d or 32 | d; dot_extent is a multiple of 16)
+        up_lanes = _largest_divisor(dot_extent(spec), (64, 32, 16))
+        down_lanes = _largest_divisor(d, (64, 32))
         weight_vec = 16
     sizes = (4096, 2048, 1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1)
     candidates = [c for c in sizes if c % down_lanes == 0 and d % c == 0]
     enough = [c for c in candidates if d // c >= cores]
     chunk = enough[0] if enough else candidates[-1]
     return CpuScheduleParams(up_lanes=up_lanes, down_lanes=down_lanes, down_chunk=chunk, weight_vec=weight_vec)
+
+
+def _up_elems(spec: KernelSpec, p: CpuScheduleParams) -> int:
+    """Weight elements of a row one iteration of a dot product's streaming loop reads: ``up_lanes`` terms of
+    ``dot_extent``, each of ``B / 16`` elements for quantized weights."""
+    return p.up_lanes * (spec.block // CHUNK if spec.quantized else 1)
 
 
 def _lane_loops(p: CpuScheduleParams) -> int:
@@ -215,7 +222,7 @@ def _schedule_up(sch: s_tir.Schedule, spec: KernelSpec, p: CpuScheduleParams, ba
         below = sch.get_loops(trees[name][0])[n_anchor:]  # [r_out, lane(s)] after the reorder, or [lane(s)]
         if len(below) > n_lane:
             sch.decompose_reduction(trees[name][0], below[0])
-            plan.append(Prefetch(f"w_{name}", _loop_var(sch, j_loop), None, _loop_var(sch, below[0]), p.up_lanes, 1))
+            plan.append(Prefetch(f"w_{name}", _loop_var(sch, j_loop), None, _loop_var(sch, below[0]), _up_elems(spec, p), 1))
     return plan
 
 
@@ -343,7 +350,7 @@ def _part_prefetch_plan(spec: KernelSpec, p: CpuScheduleParams, streams: dict[st
                         part: tirx.Var, skip: bool) -> list[Prefetch]:
     """The prefetch plan of the partitioned kernel's weight ``streams``: every stream the next selected row
     of its own weights, or, skipping inactive rows, only the rows that are read."""
-    lanes = {"w_gate": p.up_lanes, "w_up": p.up_lanes, "w_down_t": p.down_lanes}
+    lanes = {"w_gate": _up_elems(spec, p), "w_up": _up_elems(spec, p), "w_down_t": p.down_lanes}
     decider = "gate" if spec.gated else "h"  # the buffer whose value says whether a row is active
 
     def entry(target: str, stream: str, ahead: int, only_active: bool = False) -> Prefetch:
@@ -390,7 +397,7 @@ def _schedule_partitioned(
     skip = _skips_inactive(spec, p, batched)
     anchors = _place_part_dots(sch, spec, names, trees, part, rj, skip, p.weight_vec)
     sch.parallel(part)
-    streams = _decompose_part_dots(sch, trees, anchors, spec.d_model // p.up_lanes > 1, _lane_loops(p))  # compute_at drops unit loops
+    streams = _decompose_part_dots(sch, trees, anchors, dot_extent(spec) // p.up_lanes > 1, _lane_loops(p))  # compute_at drops unit loops
     # the down rows: y_part loops are [part, rj, t?, i_out, i_lane] (quantized: i_lane split in two)
     io_loop = sch.get_loops(yp)[-1 - (2 if p.weight_vec and p.down_lanes > p.weight_vec else 1)]
     if spec.d_model // p.down_lanes > 1:
