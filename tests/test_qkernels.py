@@ -38,8 +38,8 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(spec: KernelSpec, cache_dir: Path):  # -> SparseKernel
-    return load_kernel(build_kernel(spec, cache_dir), spec)
+def _kernel(spec: KernelSpec, cache_dir: Path, mcpu: str | None = None):  # -> SparseKernel
+    return load_kernel(build_kernel(spec, cache_dir, mcpu=mcpu), spec)
 
 
 def _act(act: str, v: torch.Tensor) -> torch.Tensor:
@@ -54,7 +54,8 @@ def _quantized(spec: KernelSpec, gen: torch.Generator) -> tuple[torch.Tensor, to
     return as_aligned(q), as_aligned(s), dequantize(q, s, torch.float64)
 
 
-def _run(spec: KernelSpec, cache_dir: Path, k: int, tokens: int | None, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def _run(spec: KernelSpec, cache_dir: Path, k: int, tokens: int | None, seed: int = 0,
+         mcpu: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the kernel of ``spec`` on random quantized weights and ``k`` random rows (on the spec's device);
     (out on the CPU, float64 reference)."""
     gen = torch.Generator().manual_seed(seed)
@@ -84,7 +85,7 @@ def _run(spec: KernelSpec, cache_dir: Path, k: int, tokens: int | None, seed: in
         torch.cuda.synchronize()
         out = dev[name].cpu()
     else:
-        _kernel(spec, cache_dir)(*(args[a] for a in call_args(spec)))
+        _kernel(spec, cache_dir, mcpu)(*(args[a] for a in call_args(spec)))
     if spec.has_down:
         h = h_in.double() if spec.kind == "down" else ref_h
         return out, h @ down[2][rows]
@@ -111,6 +112,15 @@ def test_quantized_cpu_kernel_matches_reference(case: tuple, cache_dir: Path) ->
         out, ref = _run(spec, cache_dir, k, tokens, seed=k)
         err = float((out.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
         assert err < TOL, f"k={k}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("kind, wdt", [("ffn_gated", "int4"), ("ffn_relu", "int8")])
+def test_quantized_kernel_for_avx2_cpus(kind: str, wdt: str, tmp_path: Path) -> None:
+    """Built for ``x86-64-v3`` (AVX2, no AVX-512: LLVM's generic lowering of the same TIR), still exact."""
+    spec = KernelSpec(kind, ACT[kind], 256, 40, wdt, False, "llvm")
+    out, ref = _run(spec, tmp_path, 13, None, mcpu="x86-64-v3")
+    assert "x86-64-v3" in (tmp_path / f"{spec.key()}.json").read_text()  # the compile target it was built for
+    assert float((out.double() - ref).abs().max() / ref.abs().max()) < TOL
 
 
 def test_quantized_spec_key_and_checks() -> None:
