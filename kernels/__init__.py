@@ -38,6 +38,7 @@ _LAZY: dict[str, str] = {
     "num_threads": "loader",
     "ALIGNMENT": "loader",
     "CALL_ARGS": "loader",
+    "call_args": "loader",
     "KernelArgumentError": "loader",
     "IndexValidationError": "loader",
     "KernelLoadError": "loader",

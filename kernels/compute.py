@@ -43,20 +43,61 @@ def arg_names(spec: KernelSpec) -> list[str]:
     """PrimFunc argument order for a spec (``None``-able Python arguments are simply absent)."""
     if spec.kind == "predict":
         return ["x", "fc1", "fc2", *(["offset"] if spec.has_bias else []), "thr", "mask"]
+    q = spec.quantized  # each quantized weight is followed by its scales
     names: list[str] = []
     if spec.has_up:
-        names += ["x", "w_up"]
+        names += ["x", "w_up", *(["s_up"] if q else [])]
         if spec.gated:
-            names.append("w_gate")
+            names += ["w_gate", *(["s_gate"] if q else [])]
         if spec.has_bias:
             names.append("b_up")
     else:
         names.append("h")
     if spec.has_down:
-        names.append("w_down_t")
+        names += ["w_down_t", *(["s_down"] if q else [])]
     names.append("idx")
     names.append("y" if spec.has_down else "h")
     return names
+
+
+SCALE_NAMES: dict[str, str] = {"w_up": "s_up", "w_gate": "s_gate", "w_down_t": "s_down"}  # quantized weights' scales
+
+WeightReader = Callable[..., "tirx.PrimExpr"]  # (row, col) -> float32 value
+
+
+def weight(spec: KernelSpec, name: str, tensors: dict[str, te.Tensor], rows: int | None = None) -> WeightReader:
+    """Placeholder(s) of weight ``name`` ``[rows, d_model]`` (added to ``tensors``) and its reader
+    ``(row, col) -> float32 value``: a float weight widened; a quantized one (``qformat.py``) dequantized,
+    ``q * s`` (int8) or ``(nibble - 8) * s`` (int4: element ``c`` of block ``b`` is the low nibble of byte
+    ``b*B/2 + c%(B/2)`` for ``c%B < B/2``, else its high nibble)."""
+    n, d, f32 = rows or spec.n_rows, spec.d_model, "float32"
+    if not spec.quantized:
+        w = te.placeholder((n, d), spec.weight_dtype, name=name)  # [rows, d_model]
+        tensors[name] = w
+        return lambda row, col: w[row, col].astype(f32)
+    bl = spec.block
+    s = te.placeholder((n, d // bl), "float16", name=SCALE_NAMES[name])  # [rows, d_model / block]
+    tensors[SCALE_NAMES[name]] = s
+    if spec.weight_dtype == "int8":
+        q = te.placeholder((n, d), "int8", name=name)  # [rows, d_model]
+        tensors[name] = q
+        return lambda row, col: q[row, col].astype(f32) * s[row, col // bl].astype(f32)
+    half = bl // 2
+    q4 = te.placeholder((n, d // 2), "uint8", name=name)  # [rows, d_model / 2]: two nibbles a byte
+    tensors[name] = q4
+
+    def read4(row: tirx.PrimExpr, col: tirx.PrimExpr) -> tirx.PrimExpr:
+        byte = q4[row, (col // bl) * half + col % half]
+        shift = ((col % bl) // half * 4).astype("uint8")
+        nib = tirx.bitwise_and(tirx.shift_right(byte, shift), tirx.const(15, "uint8"))
+        return (nib.astype(f32) - tirx.const(8.0, f32)) * s[row, col // bl].astype(f32)
+
+    return read4
+
+
+def bias_dtype(spec: KernelSpec) -> str:
+    """``b_up``'s dtype: the weight dtype, float32 for quantized weights."""
+    return "float32" if spec.quantized else spec.weight_dtype
 
 
 def _activation(act: str, v: tirx.PrimExpr) -> tirx.PrimExpr:
@@ -68,25 +109,22 @@ def _activation(act: str, v: tirx.PrimExpr) -> tirx.PrimExpr:
 
 
 def _gate_and_bias(
-    spec: KernelSpec, tensors: dict[str, te.Tensor], dot: Callable[[te.Tensor, str], te.Tensor]
+    spec: KernelSpec, tensors: dict[str, te.Tensor], dot: Callable[[WeightReader, str], te.Tensor]
 ) -> tuple[te.Tensor | None, te.Tensor | None]:
     """The optional inputs of the up part: gate rows (→ their dot products) and the up bias."""
-    n, d, wdt = spec.n_rows, spec.d_model, spec.weight_dtype
+    n = spec.n_rows
     gate = b_up = None
     if spec.gated:
-        w_gate = te.placeholder((n, d), wdt, name="w_gate")  # [n_rows, d_model]
-        tensors["w_gate"] = w_gate
-        gate = dot(w_gate, "gate")
+        gate = dot(weight(spec, "w_gate", tensors), "gate")
     if spec.has_bias:
-        b_up = te.placeholder((n,), wdt, name="b_up")  # [n_rows]
+        b_up = te.placeholder((n,), bias_dtype(spec), name="b_up")  # [n_rows]
         tensors["b_up"] = b_up
     return gate, b_up
 
 
 def describe(spec: KernelSpec, batched: bool = False) -> KernelDesc:
     """TE description of ``spec`` → PrimFunc with symbolic ``k`` (and ``t`` when batched)."""
-    d, n, wdt = spec.d_model, spec.n_rows, spec.weight_dtype
-    f32 = "float32"
+    d, f32 = spec.d_model, "float32"
     k = te.var("k")
     t = te.var("t") if batched else None
     tok = (t,) if batched else ()
@@ -98,14 +136,14 @@ def describe(spec: KernelSpec, batched: bool = False) -> KernelDesc:
     h: te.Tensor | None = None
     if spec.has_up:
         x = te.placeholder((*tok, d), f32, name="x")  # [t?, d_model]
-        w_up = te.placeholder((n, d), wdt, name="w_up")  # [n_rows, d_model]
-        tensors.update(x=x, w_up=w_up)
+        tensors["x"] = x
+        w_up = weight(spec, "w_up", tensors)
 
-        def _dot(w: te.Tensor, name: str) -> te.Tensor:
+        def _dot(w: WeightReader, name: str) -> te.Tensor:
             r = te.reduce_axis((0, d), name="r")
             return te.compute(
                 (*tok, k),
-                lambda *ij: te.sum(w[idx[ij[-1]], r].astype(f32) * x[(*ij[:-1], r)], axis=r),
+                lambda *ij: te.sum(w(idx[ij[-1]], r) * x[(*ij[:-1], r)], axis=r),
                 name=name,
             )  # [t?, k]
 
@@ -127,12 +165,11 @@ def describe(spec: KernelSpec, batched: bool = False) -> KernelDesc:
         tensors["h"] = h
 
     if spec.has_down:
-        w_down_t = te.placeholder((n, d), wdt, name="w_down_t")  # [n_rows, d_model]
-        tensors["w_down_t"] = w_down_t
+        w_down_t = weight(spec, "w_down_t", tensors)
         rj = te.reduce_axis((0, k), name="rj")
         y = te.compute(
             (*tok, d),
-            lambda *ti: te.sum(h[(*ti[:-1], rj)] * w_down_t[idx[rj], ti[-1]].astype(f32), axis=rj),
+            lambda *ti: te.sum(h[(*ti[:-1], rj)] * w_down_t(idx[rj], ti[-1]), axis=rj),
             name="y",
         )  # [t?, d_model]
         out = y
@@ -148,16 +185,16 @@ def describe_partitioned(spec: KernelSpec, partitions: int, batched: bool = Fals
     """Fused FFN (``ffn_relu`` / ``ffn_gated``) with the active rows split into ``partitions`` parts."""
     if spec.kind not in ("ffn_relu", "ffn_gated"):
         raise ValueError(f"describe_partitioned is for fused FFN kinds, not {spec.kind!r}")
-    d, n, wdt, f32, P = spec.d_model, spec.n_rows, spec.weight_dtype, "float32", partitions
+    d, f32, P = spec.d_model, "float32", partitions
     k = te.var("k")
     t = te.var("t") if batched else None
     tok = (t,) if batched else ()
     S = (k + P - 1) // P  # rows per part (the last part may be short)
     idx = te.placeholder((k,), "int32", name="idx")  # [k]
     x = te.placeholder((*tok, d), f32, name="x")  # [t?, d_model]
-    w_up = te.placeholder((n, d), wdt, name="w_up")  # [n_rows, d_model]
-    w_down_t = te.placeholder((n, d), wdt, name="w_down_t")  # [n_rows, d_model]
-    tensors: dict[str, te.Tensor] = {"idx": idx, "x": x, "w_up": w_up, "w_down_t": w_down_t}
+    tensors: dict[str, te.Tensor] = {"idx": idx, "x": x}
+    w_up = weight(spec, "w_up", tensors)  # [n_rows, d_model]
+    w_down_t = weight(spec, "w_down_t", tensors)  # [n_rows, d_model]
 
     def row(p: tirx.PrimExpr, jj: tirx.PrimExpr) -> tirx.PrimExpr:
         # Slots past k (the short last part) re-read row idx[k-1] and get h = 0 below. TE's
@@ -165,11 +202,11 @@ def describe_partitioned(spec: KernelSpec, partitions: int, batched: bool = Fals
         # (TVM 0.27), so the index is clamped instead: every load stays in bounds.
         return idx[tirx.min(p * S + jj, k - 1)]
 
-    def _dot(w: te.Tensor, name: str) -> te.Tensor:
+    def _dot(w: WeightReader, name: str) -> te.Tensor:
         r = te.reduce_axis((0, d), name="r")
         return te.compute(
             (P, S, *tok),
-            lambda p, jj, *tt: te.sum(w[row(p, jj), r].astype(f32) * x[(*tt, r)], axis=r),
+            lambda p, jj, *tt: te.sum(w(row(p, jj), r) * x[(*tt, r)], axis=r),
             name=name,
         )  # [P, S, t?]
 
@@ -188,7 +225,7 @@ def describe_partitioned(spec: KernelSpec, partitions: int, batched: bool = Fals
     rj = te.reduce_axis((0, S), name="rj")
     y_part = te.compute(
         (P, *tok, d),
-        lambda p, *ti: te.sum(h[(p, rj, *ti[:-1])] * w_down_t[row(p, rj), ti[-1]].astype(f32), axis=rj),
+        lambda p, *ti: te.sum(h[(p, rj, *ti[:-1])] * w_down_t(row(p, rj), ti[-1]), axis=rj),
         name="y_part",
     )  # [P, t?, d_model]
     rp = te.reduce_axis((0, P), name="rp")

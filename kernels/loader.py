@@ -261,7 +261,7 @@ class _Arg:
 def _signature(spec: KernelSpec, batched: bool) -> list[_Arg]:
     """Argument list of the compiled function (PrimFunc order), with dtypes and symbolic shapes."""
     d, n = spec.d_model, spec.n_rows
-    w = _TORCH_DTYPES[spec.weight_dtype]
+    w = _TORCH_DTYPES.get(spec.weight_dtype, torch.float32)
     if spec.kind == "predict":  # one token only (no batched variant)
         return [_Arg("x", torch.float32, (d,)), _Arg("fc1", w, (spec.rank, d)), _Arg("fc2", w, (n, spec.rank)),
                 *([_Arg("offset", torch.float32, (n,))] if spec.has_bias else []),
@@ -270,15 +270,15 @@ def _signature(spec: KernelSpec, batched: bool) -> list[_Arg]:
     args: list[_Arg] = []
     if spec.has_up:
         args.append(_Arg("x", torch.float32, (*tok, d)))
-        args.append(_Arg("w_up", w, (n, d)))
+        args += _weight_args(spec, "w_up")
         if spec.gated:
-            args.append(_Arg("w_gate", w, (n, d)))
+            args += _weight_args(spec, "w_gate")
         if spec.has_bias:
-            args.append(_Arg("b_up", w, (n,)))
+            args.append(_Arg("b_up", torch.float32 if spec.quantized else w, (n,)))
     else:
         args.append(_Arg("h", torch.float32, (*tok, "k")))
     if spec.has_down:
-        args.append(_Arg("w_down_t", w, (n, d)))
+        args += _weight_args(spec, "w_down_t")
     args.append(_Arg("idx", torch.int32, ("k",)))
     if spec.has_down:
         args.append(_Arg("y", torch.float32, (*tok, d)))
@@ -287,7 +287,30 @@ def _signature(spec: KernelSpec, batched: bool) -> list[_Arg]:
     return args
 
 
-# Python-level argument order of ``SparseKernel.__call__`` per kind (None where the spec has none).
+_SCALES: dict[str, str] = {"w_up": "s_up", "w_gate": "s_gate", "w_down_t": "s_down"}  # = compute.SCALE_NAMES
+
+
+def _weight_args(spec: KernelSpec, name: str) -> list[_Arg]:
+    """A weight's arguments: the float array, or a quantized weight's quants then its float16 scales
+    (``qformat.py``: int8 ``[n, d]``, int4 packed uint8 ``[n, d/2]``; scales ``[n, d/block]``)."""
+    n, d = spec.n_rows, spec.d_model
+    if not spec.quantized:
+        return [_Arg(name, _TORCH_DTYPES[spec.weight_dtype], (n, d))]
+    q = _Arg(name, torch.int8, (n, d)) if spec.weight_dtype == "int8" else _Arg(name, torch.uint8, (n, d // 2))
+    return [q, _Arg(_SCALES[name], torch.float16, (n, d // spec.block))]
+
+
+def call_args(spec: KernelSpec) -> tuple[str, ...]:
+    """``SparseKernel.__call__``'s argument order for ``spec``: ``CALL_ARGS[kind]``, each quantized weight
+    followed by its scales (``ffn_*``: ``x, w_up, s_up, w_gate, s_gate, b_up, w_down_t, s_down, idx, y``)."""
+    names = CALL_ARGS[spec.kind]
+    if not spec.quantized:
+        return names
+    return tuple(a for nm in names for a in ((nm, _SCALES[nm]) if nm in _SCALES else (nm,)))
+
+
+# Python-level argument order of ``SparseKernel.__call__`` per kind (None where the spec has none);
+# quantized weights add their scales: ``call_args(spec)``.
 CALL_ARGS: dict[str, tuple[str, ...]] = {
     "ffn_relu": ("x", "w_up", "w_gate", "b_up", "w_down_t", "idx", "y"),
     "ffn_gated": ("x", "w_up", "w_gate", "b_up", "w_down_t", "idx", "y"),
@@ -330,6 +353,7 @@ class SparseKernel:
 
     def __post_init__(self) -> None:
         self._sigs = {False: _signature(self.spec, False), True: _signature(self.spec, True)}
+        self._call_args = call_args(self.spec)
         self._device_type = "cuda" if self.spec.is_cuda else "cpu"
 
     # the public entry point
@@ -341,13 +365,13 @@ class SparseKernel:
 
     def unchecked(self, *args: torch.Tensor | None) -> None:
         """Same as ``__call__`` without argument checks (wrong input can crash the process)."""
-        named = dict(zip(CALL_ARGS[self.spec.kind], args))
+        named = dict(zip(self._call_args, args))
         batched = self._is_batched(named)
         self._launch([named[a.name] for a in self._sigs[batched]], batched)
 
     # -- internals -------------------------------------------------------------------------------
     def _bind(self, args: Sequence[torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
-        names = CALL_ARGS[self.spec.kind]
+        names = self._call_args
         if len(args) != len(names):
             raise KernelArgumentError(
                 f"{self.spec.kind} kernel takes {len(names)} arguments ({', '.join(names)}), got {len(args)}"
@@ -356,7 +380,7 @@ class SparseKernel:
         expected = {a.name for a in self._sigs[False]}
         for name, value in named.items():
             if name not in expected and value is not None:
-                why = "not gated" if name == "w_gate" else "has_bias=False"  # b_up, or a predictor's offset
+                why = "not gated" if name in ("w_gate", "s_gate") else "has_bias=False"  # b_up, or a predictor's offset
                 raise KernelArgumentError(f"{name} must be None for this kernel ({why})")
         return named
 

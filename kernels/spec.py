@@ -15,6 +15,9 @@ Operator contract (PowerInfer's, decode = one token), weights neuron-major:
 
 Weights (``b_up`` included) are stored in ``weight_dtype``; ``x``, ``h`` and ``y`` are always float32
 and all accumulation is in float32. ``b_down`` is added by the caller, never by the kernel.
+Quantized ``weight_dtype`` (``int8``, ``int4``; ``block`` elements per scale): every weight is its quants
+array then its float16 scales (``kernels/qformat.py``; ``w_down_t`` quantized along d_model too), ``b_up``
+is float32, and the maths is that of the dequantized weights (``qformat.dequantize``).
 
 Kind ``predict`` (CPU only) is a whole activation predictor in one call, for one token:
 ``fc1`` ``[rank, d_model]``, ``fc2`` ``[n_rows, rank]`` (``weight_dtype``), optional ``offset`` ``[n_rows]``
@@ -31,11 +34,13 @@ from typing import Literal
 
 KernelKind = Literal["ffn_relu", "ffn_gated", "up", "up_gated", "down", "predict"]
 Activation = Literal["relu", "silu", "none"]
-WeightDType = Literal["float32", "float16"]
+WeightDType = Literal["float32", "float16", "int8", "int4"]
 
 KINDS: tuple[str, ...] = ("ffn_relu", "ffn_gated", "up", "up_gated", "down", "predict")
 ACTS: tuple[str, ...] = ("relu", "silu", "none")
-WEIGHT_DTYPES: tuple[str, ...] = ("float32", "float16")
+WEIGHT_DTYPES: tuple[str, ...] = ("float32", "float16")  # float weights (every kind, CPU and CUDA)
+QUANT_DTYPES: tuple[str, ...] = ("int8", "int4")  # quantized weights, layout: kernels/qformat.py
+QUANT_BLOCKS: tuple[int, ...] = (32, 64, 128, 256)  # = qformat.BLOCKS (spec stays torch-free)
 CUDA_ARCHS: tuple[str, ...] = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90")
 
 
@@ -76,6 +81,7 @@ class KernelSpec:
     has_bias: bool
     target: str
     rank: int = 0  # kind "predict" only: the predictor's hidden width
+    block: int = 32  # quantized weight_dtype only: elements per float16 scale, along d_model (qformat.py)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -86,8 +92,8 @@ class KernelSpec:
             raise KernelSpecError("kind 'down' applies no activation: use act='none'")
         if self.kind == "down" and self.has_bias:
             raise KernelSpecError("kind 'down' has no bias (b_down is added by the caller)")
-        if self.weight_dtype not in WEIGHT_DTYPES:
-            raise KernelSpecError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {self.weight_dtype!r}")
+        if self.weight_dtype not in WEIGHT_DTYPES + QUANT_DTYPES:
+            raise KernelSpecError(f"weight_dtype must be one of {WEIGHT_DTYPES + QUANT_DTYPES}, got {self.weight_dtype!r}")
         for name in ("d_model", "n_rows"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -109,6 +115,13 @@ class KernelSpec:
                 raise KernelSpecError(f"kind 'predict' applies relu or none between fc1 and fc2, not {self.act!r}")
         elif self.rank:
             raise KernelSpecError(f"rank is for kind 'predict' only, got rank={self.rank} for {self.kind!r}")
+        if self.quantized:
+            if self.block not in QUANT_BLOCKS:
+                raise KernelSpecError(f"block must be one of {QUANT_BLOCKS}, got {self.block!r}")
+            if self.d_model % self.block:
+                raise KernelSpecError(f"d_model {self.d_model} is not a whole number of {self.block}-element blocks")
+            if self.kind == "predict":
+                raise KernelSpecError("kind 'predict' takes float32/float16 weights, not a quantized format")
 
     # -- derived facts ---------------------------------------------------------------------------
     @property
@@ -119,6 +132,11 @@ class KernelSpec:
     def cuda_arch(self) -> str | None:
         """``"sm_89"`` for ``"cuda:sm_89"``; None for the CPU."""
         return self.target.split(":", 1)[1] if self.is_cuda else None
+
+    @property
+    def quantized(self) -> bool:
+        """int8 / int4 weights: each weight is a quants array followed by its float16 scales (``qformat.py``)."""
+        return self.weight_dtype in QUANT_DTYPES
 
     @property
     def gated(self) -> bool:
@@ -144,10 +162,13 @@ class KernelSpec:
         return f"pi_{self.kind}_{digest}"
 
     def to_json(self) -> dict[str, object]:
-        """The fields; ``rank`` only where it is set, so specs written before it existed keep their keys."""
+        """The fields; ``rank`` only where it is set and ``block`` only for quantized weights, so specs written
+        before they existed keep their keys."""
         data = asdict(self)
         if not self.rank:
             del data["rank"]
+        if not self.quantized:
+            del data["block"]
         return data
 
     @staticmethod

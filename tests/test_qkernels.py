@@ -1,0 +1,136 @@
+"""Quantized (int8 / int4) TVM kernels against a float64 torch reference of the same quantized maths.
+
+The reference dequantizes the weights with ``qformat.dequantize`` (``q * s``, ``(nibble - 8) * s``) and computes
+the FFN in float64; the kernels accumulate in float32 (no activation quantization), so the tolerance is the
+float32 kernels' one: max abs error / max abs reference below ``TOL``.
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+from picompile.kernels import (
+    KernelArgumentError,
+    KernelSpec,
+    KernelSpecError,
+    aligned_empty,
+    as_aligned,
+    build_kernel,
+    call_args,
+    load_kernel,
+)
+from picompile.kernels.qformat import BLOCKS, QUANT_DTYPES, QFormat, dequantize, quantize
+from picompile.kernels.spec import QUANT_BLOCKS
+from picompile.kernels.spec import QUANT_DTYPES as SPEC_QUANT_DTYPES
+
+TOL = 1e-5  # float32 accumulation of exactly dequantized weights (measured ~3e-7)
+ACT = {"up": "none", "up_gated": "silu", "down": "none", "ffn_relu": "relu", "ffn_gated": "relu"}
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("qkernel_cache")
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(spec: KernelSpec, cache_dir: Path):  # -> SparseKernel
+    return load_kernel(build_kernel(spec, cache_dir), spec)
+
+
+def _act(act: str, v: torch.Tensor) -> torch.Tensor:
+    return torch.relu(v) if act == "relu" else torch.nn.functional.silu(v) if act == "silu" else v
+
+
+def _quantized(spec: KernelSpec, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, s, the dequantized weight in float64) of a random ``[n_rows, d_model]`` weight."""
+    w = torch.randn(spec.n_rows, spec.d_model, generator=gen)
+    w[0, : spec.block] = 0.0  # an all-zero block (scale 0)
+    q, s = quantize(w, QFormat(spec.weight_dtype, spec.block))
+    return as_aligned(q), as_aligned(s), dequantize(q, s, torch.float64)
+
+
+def _run(spec: KernelSpec, cache_dir: Path, k: int, tokens: int | None, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the kernel of ``spec`` on random quantized weights and ``k`` random rows; (out, float64 reference)."""
+    gen = torch.Generator().manual_seed(seed)
+    d, n = spec.d_model, spec.n_rows
+    up, gate, down = (_quantized(spec, gen) for _ in range(3))
+    shape = (tokens, d) if tokens else (d,)
+    x = as_aligned(torch.randn(shape, generator=gen))
+    idx = as_aligned(torch.randperm(n, generator=gen)[:k].to(torch.int32))
+    b_up = as_aligned(torch.randn(n, generator=gen)) if spec.has_bias else None
+    rows = idx.long()
+    ref_h = None
+    if spec.has_up:
+        u = x.double() @ up[2][rows].T  # [t?, k]
+        if b_up is not None:
+            u = u + b_up.double()[rows]
+        ref_h = _act(spec.act, x.double() @ gate[2][rows].T) * u if spec.gated else _act(spec.act, u)
+    h_in = as_aligned(torch.randn((*shape[:-1], k), generator=gen)) if spec.kind == "down" else None
+    out = aligned_empty((*shape[:-1], d) if spec.has_down else (*shape[:-1], k))
+    args = {"x": x, "w_up": up[0], "s_up": up[1], "w_gate": gate[0] if spec.gated else None,
+            "s_gate": gate[1] if spec.gated else None, "b_up": b_up, "w_down_t": down[0], "s_down": down[1],
+            "idx": idx, "h": h_in if spec.kind == "down" else out, "y": out}
+    _kernel(spec, cache_dir)(*(args[a] for a in call_args(spec)))
+    if spec.has_down:
+        h = h_in.double() if spec.kind == "down" else ref_h
+        return out, h @ down[2][rows]
+    return out, ref_h
+
+
+CASES = [  # kind, weight dtype, block, d_model, n_rows, has_bias, tokens (None: one token)
+    *[(kind, wdt, 32, 256, 70, False, None) for kind in ACT for wdt in ("int8", "int4")],
+    ("ffn_gated", "int4", 64, 384, 50, False, None),
+    ("ffn_relu", "int8", 128, 256, 40, True, None),
+    ("up", "int4", 256, 512, 33, True, None),
+    ("down", "int4", 64, 192, 30, False, None),
+    ("ffn_gated", "int8", 32, 256, 45, False, 3),
+    ("up_gated", "int4", 32, 256, 45, False, 2),
+    ("down", "int8", 32, 256, 45, False, 2),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_quantized_cpu_kernel_matches_reference(case: tuple, cache_dir: Path) -> None:
+    kind, wdt, block, d, n, bias, tokens = case
+    spec = KernelSpec(kind, ACT[kind], d, n, wdt, bias, "llvm", block=block)
+    for k in (1, n // 3, n):
+        out, ref = _run(spec, cache_dir, k, tokens, seed=k)
+        err = float((out.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+        assert err < TOL, f"k={k}: relative error {err:.2e}"
+
+
+def test_quantized_spec_key_and_checks() -> None:
+    assert (QUANT_BLOCKS, SPEC_QUANT_DTYPES) == (BLOCKS, QUANT_DTYPES)  # spec.py mirrors qformat (torch-free)
+    f16 = KernelSpec("up", "none", 256, 8, "float16", False, "llvm")
+    assert f16.key() == KernelSpec("up", "none", 256, 8, "float16", False, "llvm", block=64).key()  # block ignored
+    assert "block" not in f16.to_json()
+    q32 = KernelSpec("up", "none", 256, 8, "int4", False, "llvm")
+    q64 = KernelSpec("up", "none", 256, 8, "int4", False, "llvm", block=64)
+    assert q32.key() != q64.key() != KernelSpec("up", "none", 256, 8, "int8", False, "llvm", block=64).key()
+    assert KernelSpec.from_json(q64.to_json()) == q64
+    with pytest.raises(KernelSpecError, match="block must be one of"):
+        KernelSpec("up", "none", 256, 8, "int8", False, "llvm", block=48)
+    with pytest.raises(KernelSpecError, match="whole number of 64-element blocks"):
+        KernelSpec("up", "none", 96, 8, "int8", False, "llvm", block=64)
+    with pytest.raises(KernelSpecError, match="predict"):
+        KernelSpec("predict", "relu", 256, 8, "int8", False, "llvm", rank=16)
+    assert call_args(KernelSpec("ffn_gated", "silu", 256, 8, "int4", True, "llvm")) == (
+        "x", "w_up", "s_up", "w_gate", "s_gate", "b_up", "w_down_t", "s_down", "idx", "y")
+
+
+def test_quantized_argument_checks(cache_dir: Path) -> None:
+    spec = KernelSpec("up", "none", 256, 70, "int4", False, "llvm")
+    kern = _kernel(spec, cache_dir)
+    q, s = (as_aligned(t) for t in quantize(torch.randn(70, 256), QFormat("int4")))
+    x, idx, h = aligned_empty(256), as_aligned(torch.arange(5, dtype=torch.int32)), aligned_empty(5)
+    kern(x, q, s, None, None, None, idx, h)
+    with pytest.raises(KernelArgumentError, match="s_up must be torch.float16"):
+        kern(x, q, as_aligned(s.float()), None, None, None, idx, h)
+    with pytest.raises(KernelArgumentError, match="w_up must have shape"):
+        kern(x, as_aligned(torch.zeros(70, 256, dtype=torch.uint8)), s, None, None, None, idx, h)
+    with pytest.raises(KernelArgumentError, match="s_gate must be None"):
+        kern(x, q, s, None, s, None, idx, h)
+
