@@ -71,13 +71,14 @@ def weight_format(w: torch.Tensor, s: torch.Tensor | None) -> dict[str, Any]:
     return {"weight_dtype": fmt.name, "block": fmt.block}
 
 
-def quant_kernels(fmt: dict[str, Any]) -> str | None:
-    """Why ``picompile.kernels`` cannot build kernels for a weight format (None: it can)."""
+def quant_kernels(fmt: dict[str, Any], cuda: bool = False) -> str | None:
+    """Why ``picompile.kernels`` cannot build (``cuda``: CUDA) kernels for a weight format (None: it can)."""
     from picompile.kernels import spec as kspec
 
-    if fmt["weight_dtype"] in kspec.WEIGHT_DTYPES and ("block" not in fmt or "block" in kspec.KernelSpec.__dataclass_fields__):
+    have = kspec.WEIGHT_DTYPES if cuda else (*kspec.WEIGHT_DTYPES, *getattr(kspec, "QUANT_DTYPES", ()))
+    if fmt["weight_dtype"] in have:
         return None
-    return f"picompile.kernels has no {fmt['weight_dtype']} kernel (it has {', '.join(kspec.WEIGHT_DTYPES)})"
+    return f"picompile.kernels has no {'CUDA ' if cuda else ''}{fmt['weight_dtype']} kernel (it has {', '.join(have)})"
 
 
 def _gemv_spec(w: torch.Tensor, act: str, s: torch.Tensor | None = None) -> Any:
@@ -172,7 +173,7 @@ def _ffn_kernels(gm: fx.GraphModule, ctx: BuildContext, a: Mapping[str, Any],
                   n_rows=n_rows, has_bias=a["b_up"] is not None, **fmt)
     cpu_key = _build(ctx, KernelSpec(**common, target="llvm"), entries, use)
     gpu_key = ""
-    if a["device"] == "gpu" and ctx.target.has_gpu:
+    if a["device"] == "gpu" and ctx.target.has_gpu and quant_kernels(fmt, cuda=True) is None:  # CUDA: float weights
         gpu_key = _build(ctx, KernelSpec(**common, target=f"cuda:{ctx.target.cuda_arch}"), entries, use)
     return cpu_key, gpu_key
 
