@@ -135,6 +135,20 @@ def test_quantized_artifact(checkpoints: dict, tmp_path: Path, capsys: pytest.Ca
     new = session.generate(PROMPT, 10, stop_at_eos=False)
     assert new == reference.generate(PROMPT, 10, stop_at_eos=False)
     assert _rel(session.last_logits, reference.last_logits) < 1e-4
+    # --prefill-dtype bfloat16: prefill reads dense bfloat16 copies of the quantized weights (no scales left)
+    from picompile.runtime.compute_dtype import with_compute_dtype
+
+    prefill = with_compute_dtype(session.graph, torch.bfloat16)
+    rewritten = 0
+    for node in prefill.graph.nodes:
+        if node_op(node) in ("linear", "sparse_ffn"):
+            assert not quantized_weights(node)
+            w = get_tensor(prefill, arg(node, "w" if node_op(node) == "linear" else "w_up"))
+            assert w.dtype == torch.bfloat16 or w.shape[0] == 0  # (an empty part keeps its empty quants)
+            rewritten += 1
+    assert rewritten == 5 + 4
+    low = picompile.load(out, prefill_dtype="bfloat16")
+    assert _rel(low.logits(PROMPT), session.logits(PROMPT)) < 5e-2
     w = session.manifest.weights
     assert w["dtype"] == "int4" and w["block"] == 32 and len(w["quantized"]) == 5 + 4 * 3
     assert w["bytes_per_token"]["int4"] > w["bytes_per_token"]["float16"] > 0
