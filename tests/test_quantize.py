@@ -107,6 +107,15 @@ def test_llama_cpp_blocks_are_kept(name: str, checkpoints: dict, tmp_path: Path)
     assert checked == len(blocks) > 0
 
 
+@pytest.mark.parametrize("name,block", [("int8", 32), ("int4", 32), ("int4", 64)])
+def test_ops_dequantize_is_qformats(name: str, block: int) -> None:
+    from picompile.ir.ops import deq
+
+    q, s = quantize(torch.randn(40, 256, generator=torch.Generator().manual_seed(4)), QFormat(name, block))
+    assert torch.equal(deq(q, s), dequantize(q, s))
+    assert torch.equal(deq(q[5:9], s[5:9]), dequantize(q, s)[5:9])  # gathered rows (one token's reference path)
+
+
 def test_rows_not_whole_blocks_fall_back_to_float16(checkpoints: dict, tmp_path: Path) -> None:
     ctx, gm = _prefix(checkpoints, tmp_path, "int8", quant_block=128)  # d_model 64 and 192 neurons: no whole blocks
     gm = run_passes(ctx, ["convert-weights"], gm)
