@@ -161,8 +161,12 @@ def test_quantized_artifact(checkpoints: dict, tmp_path: Path, capsys: pytest.Ca
     w = session.manifest.weights
     assert w["dtype"] == "int4" and w["block"] == 32 and len(w["quantized"]) == 5 + 4 * 3
     assert w["bytes_per_token"]["int4"] > w["bytes_per_token"]["float16"] > 0
-    assert main(["inspect", str(out)]) == 0
+    assert main(["inspect", str(out), "--export-onnx", str(tmp_path / "q.onnx")]) == 0
     assert "int4 (blocks of 32, float16 scales; 17 quantized tensors)" in capsys.readouterr().out
+    import onnx
+
+    graph = onnx.load(str(tmp_path / "q.onnx")).graph
+    assert sum(n.op_type == "TvmSparseFFN" and len(n.input) == 9 for n in graph.node) == 4  # + s_up, s_gate, s_down
     # the manifest's record is schema-checked: formats, blocks and scales named in graph.weights
     m = json.loads((out / "manifest.json").read_text())
     validate_manifest(m)
