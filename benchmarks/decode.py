@@ -44,12 +44,18 @@ SHAPES: tuple[str, ...] = ("llama-1b-relu", "opt-1.3b")
 PREDICTOR_OPTIONS: dict[str, Any] = {"predictor_budget": 0.1, "recall_target": 0.99, "predictor_dtype": "float16"}
 
 
+# artifact file name suffix per --weight-dtype (int8 / int4: blocks of 32, as llama.cpp's q8_0 / q4_0)
+WEIGHT_SUFFIX: dict[str, str] = {"float32": "", "float16": "-f16", "int8": "-q8", "int4": "-q4"}
+# llama.cpp's weight type matching an artifact's (--gguf-type's default, where the bench knows that type)
+GGUF_PEER: dict[str, str] = {"float32": "f32", "float16": "f16", "int8": "q8_0", "int4": "q4_0"}
+
+
 def artifact_for(checkpoint: Path, cache: Path, calibration_tokens: int, predictor: str, log: Any,
                  rebuild: bool = False, weight_dtype: str = "float32", recall_target: float | None = None,
                  predictor_kind: str = "linear") -> Path:
     """The cached artifact of ``checkpoint`` (rebuilt when its source or build options differ)."""
     options = {**PREDICTOR_OPTIONS, **({"recall_target": recall_target} if recall_target is not None else {})}
-    suffix = ("" if weight_dtype == "float32" else "-f16") + (
+    suffix = WEIGHT_SUFFIX[weight_dtype] + (
         "" if options == PREDICTOR_OPTIONS else f"-r{options['recall_target']:g}") + (
         "" if predictor_kind == "linear" or predictor != "trained" else f"-{predictor_kind}")
     out = cache / f"{checkpoint.name}-cpu-{predictor}-c{calibration_tokens}{suffix}.pic"
@@ -166,13 +172,13 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, help="torch and TVM threads (default: physical cores)")
     ap.add_argument("--calibration-tokens", type=int, default=8192)
-    ap.add_argument("--weight-dtype", choices=["float32", "float16"], default="float32",
-                    help="the artifact's weights (float16: compare with --gguf-type f16)")
+    ap.add_argument("--weight-dtype", choices=list(WEIGHT_SUFFIX), default="float32",
+                    help="the artifact's weights (float16: compare with --gguf-type f16; int8 / int4: q8_0 / q4_0)")
     ap.add_argument("--recall-target", type=float,
                     help=f"predictor recall target (default {PREDICTOR_OPTIONS['recall_target']}; the build's default for "
                          "ReLU models is 0.95)")
     ap.add_argument("--gguf", help="llama.cpp peer: 'auto' converts the checkpoint (needs picompile[bench]), or a file")
-    ap.add_argument("--gguf-type", choices=["f32", "f16"], help="default: the artifact's weight dtype")
+    ap.add_argument("--gguf-type", help="default: the artifact's weight type (where the bench has it)")
     ap.add_argument("--predictor", default="trained",
                     help="trained | oracle | none, or several comma-separated (e.g. trained,oracle: the oracle "
                          "column shows what exact masks would give)")
@@ -191,6 +197,9 @@ def main() -> int:
     bad = [p for p in predictors if p not in ("trained", "oracle", "none")]
     if bad or not predictors:
         ap.error(f"--predictor takes trained, oracle or none (comma-separated), got {args.predictor!r}")
+    from picompile.tools.bench import GGUF_TYPES
+
+    gguf_type = args.gguf_type or (GGUF_PEER[args.weight_dtype] if GGUF_PEER[args.weight_dtype] in GGUF_TYPES else None)
     cache = args.cache_dir or default_cache_dir() / "bench"
     results: dict[str, dict[str, Any]] = {}
     for shape in [s.strip() for s in args.shapes.split(",") if s.strip()]:
@@ -202,7 +211,7 @@ def main() -> int:
             log(f"{shape} ({predictor}): benchmarking (load average {os.getloadavg()[0]:.1f})")
             result = bench_in_child(dict(
                 artifact=art, tokens=args.tokens, prompt_len=args.prompt_len, repeats=args.repeats,
-                threads=args.threads, extras=not args.no_extras, gguf=args.gguf, gguf_type=args.gguf_type,
+                threads=args.threads, extras=not args.no_extras, gguf=args.gguf, gguf_type=gguf_type,
                 compile=args.compile, prefill_dtype=args.prefill_dtype))
             result["bound_share"] = result["decode_tokens_per_s"] / result["bound_tokens_per_s"]
             ort = result["engines"].get("onnxruntime")

@@ -1,6 +1,7 @@
 """fuse-projections: linear(x, Wq), linear(x, Wk), linear(x, Wv) → slices of linear(x, [Wq; Wk; Wv]):
 linear layers reading the same input (q/k/v) become one GEMV over the stacked rows (one kernel call, one
-stream, instead of three; small k/v projections pay a call's fixed cost for 1 MB of weights).
+stream, instead of three; small k/v projections pay a call's fixed cost for 1 MB of weights). Quantized
+linears (int8 / int4 blocks along each row) stack their quants and their scales alike.
 """
 from __future__ import annotations
 
@@ -9,17 +10,19 @@ from torch import fx
 
 from picompile.context import BuildContext
 from picompile.ir.graph import drop_unused_weights, get_tensor
-from picompile.ir.patterns import add_buffer, linear_parts
+from picompile.ir.patterns import add_buffer, linear_parts, scale_of
 from picompile.ir.schema import call_args, op_name
 from picompile.passes.registry import register_pass
 
 aten = torch.ops.aten
 
 
-def _linear_args(target: object, x: fx.Node, w: fx.Node, b: fx.Node | None) -> tuple[object, ...]:
-    """The arguments of a call of ``target`` (aten.linear, or picompile.linear by name) on x, w, b."""
+def _linear_args(target: object, x: fx.Node, w: fx.Node, b: fx.Node | None,
+                 s: fx.Node | None = None) -> tuple[object, ...]:
+    """The arguments of a call of ``target`` (aten.linear, or picompile.linear by name) on x, w, b (and the
+    scales s of a quantized w)."""
     op = op_name(target)
-    return (x, w, b) if op is None else call_args(op, dict(x=x, w=w, b=b))
+    return (x, w, b) if op is None else call_args(op, dict(x=x, w=w, b=b, s=s))
 
 
 @register_pass("fuse-projections")
@@ -30,10 +33,12 @@ def fuse_projections(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
         if parts is None:
             continue
         x, w, b = parts
-        t = get_tensor(gm, w)  # [d_out, d_in]
-        groups.setdefault((node.target, x, t.dtype, t.shape[1], b is None), []).append(node)
+        t = get_tensor(gm, w)  # [d_out, d_in] (int4: [d_out, d_in / 2])
+        s = scale_of(node, "w")
+        blocks = None if s is None else get_tensor(gm, s).shape[1]  # quantized: the same blocks per row
+        groups.setdefault((node.target, x, t.dtype, t.shape[1], b is None, blocks), []).append(node)
     fused: list[dict[str, object]] = []
-    for (target, x, _, _, no_bias), nodes in groups.items():
+    for (target, x, _, _, no_bias, blocks), nodes in groups.items():
         if len(nodes) < 2:
             continue
         parts = [linear_parts(n) for n in nodes]
@@ -42,8 +47,10 @@ def fuse_projections(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
         w_node = add_buffer(gm, f"fused_{first.name}_w", torch.cat(ws), first)  # [sum d_out_i, d_in]
         b_node = None if no_bias else add_buffer(
             gm, f"fused_{first.name}_b", torch.cat([get_tensor(gm, b) for _, _, b in parts]), first)  # type: ignore[misc, arg-type]
+        s_node = None if blocks is None else add_buffer(
+            gm, f"fused_{first.name}_s", torch.cat([get_tensor(gm, scale_of(n, "w")) for n in nodes]), first)  # type: ignore[arg-type]
         with gm.graph.inserting_before(first):
-            out = gm.graph.call_function(target, _linear_args(target, x, w_node, b_node))  # [..., sum d_out_i]
+            out = gm.graph.call_function(target, _linear_args(target, x, w_node, b_node, s_node))  # [..., sum d_out_i]
             start = 0
             for n, w in zip(nodes, ws):
                 part = gm.graph.call_function(aten.slice.Tensor, (out, -1, start, start + w.shape[0]))

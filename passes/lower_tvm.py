@@ -3,6 +3,9 @@ calling TVM-generated kernels: an llvm kernel for every part (the CPU, and the G
 fallback on a machine without one) and a CUDA kernel for the hot part when the target has a GPU;
 every predict → tvm_predict (one llvm kernel for the whole predictor: fc1, act, fc2, offset, threshold);
 every linear with a stored weight (aten's, or convert-weights' narrowed one) → tvm_linear (an llvm GEMV kernel).
+Quantized weights (int8 / int4 quants + float16 scales) get kernels of that format and block
+(``KernelSpec.weight_dtype``, ``block``) where ``picompile.kernels`` has them; where it has none, the node stays
+its reference op (dequantize + torch matmul) and ``kernels_skipped`` says so.
 Compiled libraries go to the artifact's kernels/ and are listed in the manifest.
 """
 from __future__ import annotations
@@ -18,7 +21,7 @@ from picompile.context import BuildContext
 from picompile.errors import PassError
 from picompile.ir.graph import get_tensor
 from picompile.ir.ops import is_picompile_op
-from picompile.ir.patterns import linear_parts
+from picompile.ir.patterns import linear_parts, quantized_weights, scale_of
 from picompile.ir.schema import args_of, call_args, op_name
 from picompile.passes.registry import register_pass
 
@@ -57,12 +60,35 @@ def _replace(gm: fx.GraphModule, node: fx.Node, op: Any, values: Mapping[str, An
     gm.graph.erase_node(node)
 
 
-def _gemv_spec(w: torch.Tensor, act: str) -> Any:
-    """Kind ``up`` over every row of ``w`` [d_out, d_in]: a dense GEMV (no bias; the op adds it)."""
+def weight_format(w: torch.Tensor, s: torch.Tensor | None) -> dict[str, Any]:
+    """The KernelSpec fields of a stored weight: its dtype (float32 / float16), or its quantized format and block
+    (int8 / int4 quants ``w`` with float16 scales ``s``, ``picompile.kernels.qformat``)."""
+    if s is None:
+        return {"weight_dtype": str(w.dtype).removeprefix("torch.")}
+    from picompile.kernels.qformat import format_of
+
+    fmt = format_of(w, s)
+    return {"weight_dtype": fmt.name, "block": fmt.block}
+
+
+def quant_kernels(fmt: dict[str, Any], cuda: bool = False) -> str | None:
+    """Why ``picompile.kernels`` cannot build (``cuda``: CUDA) kernels for a weight format (None: it can)."""
+    from picompile.kernels import spec as kspec
+
+    have = kspec.WEIGHT_DTYPES if cuda else (*kspec.WEIGHT_DTYPES, *getattr(kspec, "QUANT_DTYPES", ()))
+    if fmt["weight_dtype"] in have:
+        return None
+    return f"picompile.kernels has no {'CUDA ' if cuda else ''}{fmt['weight_dtype']} kernel (it has {', '.join(have)})"
+
+
+def _gemv_spec(w: torch.Tensor, act: str, s: torch.Tensor | None = None) -> Any:
+    """Kind ``up`` over every row of ``w`` [d_out, d_in]: a dense GEMV (no bias; the op adds it). Quantized:
+    ``w`` the quants, ``s`` the scales [d_out, d_in / block]."""
     from picompile.kernels import KernelSpec
 
-    return KernelSpec(kind="up", act=act, d_model=int(w.shape[1]), n_rows=int(w.shape[0]),
-                      weight_dtype=str(w.dtype).removeprefix("torch."), has_bias=False, target="llvm")
+    d_in = int(w.shape[1]) * (2 if s is not None and w.dtype == torch.uint8 else 1)
+    return KernelSpec(kind="up", act=act, d_model=d_in, n_rows=int(w.shape[0]), has_bias=False, target="llvm",
+                      **weight_format(w, s))
 
 
 def _predict_spec(fc1: torch.Tensor, fc2: torch.Tensor, act: str, has_offset: bool) -> Any:
@@ -102,7 +128,8 @@ def _align(gm: fx.GraphModule, node: fx.Node) -> None:
         setattr(owner, attr, new)
 
 
-def _lower_gemvs(gm: fx.GraphModule, ctx: BuildContext, entries: dict[str, dict[str, Any]]) -> None:
+def _lower_gemvs(gm: fx.GraphModule, ctx: BuildContext, entries: dict[str, dict[str, Any]],
+                 skipped: list[str]) -> None:
     """linear → tvm_linear; predict → tvm_predict, whatever its weights' dtype: one kernel call instead of
     torch's two small GEMVs, add and compare (float32, 1B model: 0.26 against 0.67 ms per predictor)."""
     todo = [(n, _stored_linear(n)) for n in gm.graph.nodes]
@@ -111,9 +138,17 @@ def _lower_gemvs(gm: fx.GraphModule, ctx: BuildContext, entries: dict[str, dict[
     for node, parts in ctx.track(todo, "compiling TVM GEMV kernels"):
         if parts is not None:
             x, w, b = parts
-            _align(gm, w)
-            key = _build(ctx, _gemv_spec(get_tensor(gm, w), "none"), entries, node.name)
-            _replace(gm, node, torch.ops.picompile.tvm_linear.default, dict(x=x, w=w, b=b, kernel=key))
+            s = scale_of(node, "w")
+            w_t, s_t = get_tensor(gm, w), None if s is None else get_tensor(gm, s)
+            why = quant_kernels(weight_format(w_t, s_t))
+            if why is not None:
+                skipped.append(f"{node.name}: {why}; it stays picompile.linear (dequantized per call)")
+                continue
+            for t in (w, s):
+                if t is not None:
+                    _align(gm, t)
+            key = _build(ctx, _gemv_spec(w_t, "none", s_t), entries, node.name)
+            _replace(gm, node, torch.ops.picompile.tvm_linear.default, dict(x=x, w=w, b=b, kernel=key, s=s))
         else:
             a = args_of(node)  # an older graph's predict (no act, offset) reads the schema's defaults
             key = _build(ctx, _predict_spec(get_tensor(gm, a["fc1"]), get_tensor(gm, a["fc2"]), str(a["act"]),
@@ -127,18 +162,31 @@ def _ffn_kernels(gm: fx.GraphModule, ctx: BuildContext, a: Mapping[str, Any],
     without rows; no cuda kernel but for a GPU part on a target with a GPU."""
     from picompile.kernels import KernelSpec
 
-    up = get_tensor(gm, a["w_up"])  # [n_rows, d_model]
-    n_rows, d_model = int(up.shape[0]), int(up.shape[1])
+    up = get_tensor(gm, a["w_up"])  # [n_rows, d_model] (int4 quants: [n_rows, d_model / 2])
+    s_up = None if a["s_up"] is None else get_tensor(gm, a["s_up"])
+    fmt = weight_format(up, s_up)
+    n_rows, d_model = int(up.shape[0]), int(up.shape[1]) * (2 if fmt["weight_dtype"] == "int4" else 1)
     if n_rows == 0:
         return "", ""
     use = f"layer{a['layer']}.{a['part']}"
     common = dict(kind="ffn_gated" if a["w_gate"] is not None else "ffn_relu", act=a["act"], d_model=d_model,
-                  n_rows=n_rows, weight_dtype=str(up.dtype).removeprefix("torch."), has_bias=a["b_up"] is not None)
+                  n_rows=n_rows, has_bias=a["b_up"] is not None, **fmt)
     cpu_key = _build(ctx, KernelSpec(**common, target="llvm"), entries, use)
     gpu_key = ""
-    if a["device"] == "gpu" and ctx.target.has_gpu:
+    if a["device"] == "gpu" and ctx.target.has_gpu and quant_kernels(fmt, cuda=True) is None:  # CUDA: float weights
         gpu_key = _build(ctx, KernelSpec(**common, target=f"cuda:{ctx.target.cuda_arch}"), entries, use)
     return cpu_key, gpu_key
+
+
+def _part_format_problem(gm: fx.GraphModule, node: fx.Node) -> str | None:
+    """Why a sparse_ffn part cannot run one kernel: its row weights in different formats, or a quantized format
+    ``picompile.kernels`` has no kernel for (None: it can)."""
+    a = args_of(node)
+    fmts = [weight_format(get_tensor(gm, a[w]), None if a[s] is None else get_tensor(gm, a[s]))
+            for w, s in (("w_up", "s_up"), ("w_gate", "s_gate"), ("w_down_t", "s_down")) if a[w] is not None]
+    if any(f != fmts[0] for f in fmts):
+        return f"its rows are stored in different formats ({fmts})"
+    return quant_kernels(fmts[0])
 
 
 @register_pass("lower-tvm")
@@ -148,13 +196,20 @@ def lower_tvm(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
     nodes = [n for n in gm.graph.nodes if n.op == "call_function" and is_picompile_op(n.target, "sparse_ffn")]
     if not nodes:
         raise PassError("lower-tvm found no sparse_ffn node to lower (run split-ffn first)")
-    _lower_gemvs(gm, ctx, entries)
+    _lower_gemvs(gm, ctx, entries, skipped)
     for node in ctx.track(nodes, "compiling TVM kernels"):
         a = args_of(node)
         if a["act"] not in KERNEL_ACTS:
             skipped.append(f"layer {a['layer']} {a['part']}: activation {a['act']} has no TVM kernel "
                            f"(supported: {', '.join(KERNEL_ACTS)})")
             continue
+        why = _part_format_problem(gm, node)
+        if why is not None:
+            skipped.append(f"layer {a['layer']} {a['part']}: {why}; it stays picompile.sparse_ffn")
+            continue
+        for w, s in quantized_weights(node).values():
+            _align(gm, w)
+            _align(gm, s)
         cpu_key, gpu_key = _ffn_kernels(gm, ctx, a, entries)
         _replace(gm, node, torch.ops.picompile.tvm_sparse_ffn.default, dict(a, kernel=cpu_key, gpu_kernel=gpu_key))
     gm.recompile()

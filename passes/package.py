@@ -1,6 +1,11 @@
 """package: graph with weights as attributes → artifact files in the staging dir
 (graph.pt2 with weights lifted to inputs, weights.safetensors, tokenizer, manifest.json).
 
+The manifest's ``weights`` section records the storage format: ``dtype`` (--weight-dtype), for int8 / int4
+builds ``block`` and ``quantized`` ({quants key: {format, block, scales: scales key}} for every quantized
+weight), and ``bytes_per_token`` ({format: bytes}: what one decode token reads, FFN rows at the layers'
+predicted active fraction; ``picompile inspect`` shows it).
+
 The files are reproducible: the same inputs and options give the same bytes (no timings, no node
 metadata of the build machine, a serialization id derived from the graph, the source recorded by name
 and content hash); only the manifest's ``created`` differs.
@@ -19,6 +24,8 @@ from picompile.formats.provenance import portable_model, portable_sections
 from picompile.context import BuildContext
 from picompile.frontend.decoder import dynamic_shapes, example_inputs
 from picompile.ir.graph import get_tensor, placeholders
+from picompile.ir.patterns import quantized_weights
+from picompile.ir.reads import weight_bytes
 from picompile.passes.registry import register_pass
 
 GRAPH_FILE = "graph.pt2"
@@ -27,7 +34,7 @@ WEIGHTS_FILE = "weights.safetensors"
 RECORDED_OPTIONS: tuple[str, ...] = (
     "predictor", "seed", "calibration_tokens", "act_sparsity", "act_criterion", "sparsity_allocation", "allocation_step",
     "allocation_tokens", "recall_target", "predictor_budget", "predictor_epochs", "placement_batch", "min_layer_neurons",
-    "weight_dtype", "predictor_kind", "predictor_dtype",
+    "weight_dtype", "predictor_kind", "predictor_dtype", "quant_block",
 )
 
 
@@ -79,6 +86,42 @@ def strip_build_metadata(ep: torch.export.ExportedProgram) -> None:
                     node.meta.pop(key, None)
 
 
+def quantized_section(gm: fx.GraphModule, keys: list[str]) -> dict[str, dict[str, object]]:
+    """{quants key: {format, block, scales}} of every quantized weight ``gm`` reads (``keys``: the lifted
+    weights' keys, which these must be among)."""
+    from picompile.kernels.qformat import format_of
+
+    listed = set(keys)
+    out: dict[str, dict[str, object]] = {}
+    for node in gm.graph.nodes:
+        for q, s in quantized_weights(node).values():
+            qk, sk = str(q.target), str(s.target)
+            if qk in listed and sk in listed:
+                fmt = format_of(get_tensor(gm, q), get_tensor(gm, s))
+                out[qk] = {"format": fmt.name, "block": fmt.block, "scales": sk}
+    return dict(sorted(out.items()))
+
+
+def decode_bytes(gm: fx.GraphModule, ctx: BuildContext) -> dict[str, int]:
+    """{format: bytes} one decode token reads, FFN rows at each layer's predicted (else true) active fraction."""
+    active = {}
+    for layer in ctx.ffn_layers:
+        frac = layer.stats.get("predicted_active", layer.stats.get("true_active"))
+        if isinstance(frac, (int, float)):
+            active[layer.index] = float(frac)
+    return {k: int(round(v)) for k, v in weight_bytes(gm, active or None)["by_format"].items()}
+
+
+def weights_section(gm: fx.GraphModule, ctx: BuildContext, keys: list[str]) -> dict[str, object]:
+    """The manifest's ``weights``: file, dtype, (block, quantized,) bytes_per_token."""
+    section: dict[str, object] = {"file": WEIGHTS_FILE, "dtype": ctx.config.weight_dtype}
+    quantized = quantized_section(gm, keys)
+    if quantized:
+        section.update(block=ctx.config.quant_block, quantized=quantized)
+    section["bytes_per_token"] = decode_bytes(gm, ctx)
+    return section
+
+
 @register_pass("package")
 def package(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
     out = ctx.staging_dir
@@ -117,7 +160,7 @@ def package(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
             "outputs": ["logits"] + [f"present_{i}" for i in range(len(past))],
             "weights": keys,
         },
-        weights={"file": WEIGHTS_FILE, "dtype": ctx.config.weight_dtype},
+        weights=weights_section(gm, ctx, keys),
         layers=[layer.to_json() for layer in ctx.ffn_layers],
         tokenizer=tokenizer,
         sections=portable_sections(ctx.manifest_extra),

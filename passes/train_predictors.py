@@ -9,7 +9,7 @@ from picompile.context import BuildContext
 from picompile.errors import PassError
 from picompile.kernels import skips_inactive
 from picompile.sparsity.linear_predictor import candidate_ranks, fit_linear_predictor
-from picompile.ir.patterns import WEIGHT_DTYPES, decider_of, ffn_nodes
+from picompile.ir.patterns import WEIGHT_DTYPES, decider_of, ffn_nodes, weight_itemsize
 from picompile.passes.registry import register_pass
 from picompile.sparsity.predictor import choose_ranks, rank_granularity, train_predictor
 
@@ -33,7 +33,8 @@ def train_predictors(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
     max_rank = max(1, min(d, n, int(cfg.predictor_budget * matrices * d * n) // (d + n)))
     granularity = rank_granularity(d, n)
     recall_target = cfg.recall_for(all(layer.act == "relu" for layer in layers))
-    pred_dtype, row_itemsize = WEIGHT_DTYPES[cfg.predictor_dtype], WEIGHT_DTYPES[cfg.weight_dtype].itemsize  # as convert-weights stores them
+    pred_dtype = WEIGHT_DTYPES[cfg.predictor_dtype]
+    row_itemsize = weight_itemsize(cfg.weight_dtype, cfg.quant_block)  # as convert-weights stores them (scales too)
     nodes = ffn_nodes(gm)
     for layer, rank in ctx.track(list(zip(layers, ranks)), "fitting predictors"):
         cal = ctx.calibration[layer.index]

@@ -7,7 +7,8 @@ widened back). On a CPU with AMX, torch's bfloat16 GEMM (oneDNN) runs 2.4× its 
 float16 artifact's prefill runs at float32 speed. Costs: a bfloat16 copy of every weight it converts (the
 size of the float16 weights again), and the rounding — ~3e-3 relative error per GEMM output against
 ~3e-4 for float16 activations. Only the several-token (prefill) graph is rewritten; decode reads the
-artifact's own weights through its kernels.
+artifact's own weights through its kernels. Quantized weights (int8 / int4 artifacts) get dequantized copies in
+``dtype`` (their scales dropped from the prefill nodes): the memory of a bfloat16 model besides the quantized one.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from torch import fx
 
 from picompile.errors import InputError
 from picompile.ir.graph import shared_copy
-from picompile.ir.ops import call_directly
+from picompile.ir.ops import call_directly, deq
+from picompile.ir.patterns import SCALE_ARGS
 from picompile.ir.schema import arg_names, args_of, call_args, node_op
 
 aten = torch.ops.aten
@@ -92,6 +94,18 @@ def with_compute_dtype(gm: fx.GraphModule, dtype: torch.dtype) -> fx.GraphModule
                 converted[name] = out.graph.get_attr(attr)
         return converted[name]
 
+    def dequantized(q: fx.Node, s: fx.Node) -> fx.Node:
+        """A quantized weight (int8 / int4 quants + scales) as a dense ``dtype`` copy (option (b) of the
+        quantized prefill: the memory of a bfloat16 model for bfloat16 GEMMs)."""
+        name = f"{q.target}_dequantized"
+        if name not in converted:
+            attr = f"{str(q.target)}_{str(dtype).removeprefix('torch.')}"
+            out.register_buffer(attr, deq(getattr(out, str(q.target)), getattr(out, str(s.target))).to(dtype),
+                                persistent=False)
+            with out.graph.inserting_after(q):
+                converted[name] = out.graph.get_attr(attr)
+        return converted[name]
+
     for node in list(out.graph.nodes):
         op = _op_name(node)
         if op is None:
@@ -99,7 +113,9 @@ def with_compute_dtype(gm: fx.GraphModule, dtype: torch.dtype) -> fx.GraphModule
         target, weights = _WEIGHTS[op]
         args = _named_args(node)
         values = {k: v for k, v in args.items() if k in arg_names(target)}
-        values.update({w: convert(args[w]) for w in weights})
+        quant = {w: (args[w], args[s]) for w, s in SCALE_ARGS.get(op, {}).items() if args.get(s) is not None}
+        values.update({w: dequantized(*quant[w]) if w in quant else convert(args[w]) for w in weights})
+        values.update({s: None for s in SCALE_ARGS.get(op, {}).values()})
         node.target, node.args, node.kwargs = getattr(_OPS, target).default, call_args(target, values), {}
     out.graph.eliminate_dead_code()
     return call_directly(out)

@@ -96,6 +96,8 @@ def _native_call(gm: fx.GraphModule, node: fx.Node, thresholds: _Thresholds) -> 
     if op not in ("tvm_linear", "tvm_sparse_ffn", "tvm_predict"):
         return None
     a = args_of(node)
+    if a.get("s") is not None or a.get("s_up") is not None:  # quantized weights: the Python op passes their scales
+        return None
     if op == "tvm_linear":
         fn = _handle(str(a["kernel"]))
         return None if fn is None else (native.gemv.default, (a["x"], a["w"], a["b"], fn))

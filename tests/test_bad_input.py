@@ -141,7 +141,7 @@ def test_prompt_too_long(artifacts: dict, capsys: pytest.CaptureFixture[str]) ->
 
 def test_bad_weight_dtype_writes_nothing(checkpoints: dict, tmp_path: Path) -> None:
     out = tmp_path / "w.pic"
-    with pytest.raises(picompile.errors.PicompileError, match="--weight-dtype must be float32 or float16"):
+    with pytest.raises(picompile.errors.PicompileError, match="--weight-dtype must be float32, float16, int8 or int4"):
         picompile.build(checkpoints[("llama", "relu")], output=out, weight_dtype="bfloat16", emit=lambda s: None)
     assert not out.exists() and leftovers(tmp_path) == []
 

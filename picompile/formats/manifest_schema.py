@@ -115,10 +115,57 @@ def check_target(t: dict[str, Any]) -> None:
         raise fail("target.cuda_arch", "a string or null", arch)
 
 
+WEIGHT_FORMATS: tuple[str, ...] = ("float32", "float16", "int8", "int4")  # --weight-dtype
+QUANT_FORMATS: tuple[str, ...] = ("int8", "int4")  # picompile.kernels.qformat.QUANT_DTYPES
+
+
 def check_build(b: dict[str, Any], model: dict[str, Any]) -> None:
+    from picompile.kernels.qformat import BLOCKS
+
     integer(b, "max_seq_len", "build.", 2, model["max_seq_len"])
     if "weight_dtype" in b:
-        string(b, "weight_dtype", "build.", ("float32", "float16"))
+        string(b, "weight_dtype", "build.", WEIGHT_FORMATS)
+    if "quant_block" in b:
+        block(b, "quant_block", "build.", BLOCKS)
+
+
+def block(d: dict[str, Any], key: str, where: str, blocks: tuple[int, ...]) -> int:
+    v = need(d, key, where)
+    if isinstance(v, bool) or not isinstance(v, int) or v not in blocks:
+        raise fail(where + key, "one of " + ", ".join(map(str, blocks)), v)
+    return v
+
+
+def check_weights(w: dict[str, Any], weight_keys: list[str]) -> None:
+    """``weights``: the file, its format (``dtype``), each quantized weight's format, block and scales tensor
+    (both named in ``graph.weights``), and the bytes per token by format."""
+    from picompile.kernels.qformat import BLOCKS
+
+    string(w, "file", "weights.")
+    check_relative(w["file"], "weights.file")
+    if "dtype" in w:
+        string(w, "dtype", "weights.", WEIGHT_FORMATS)
+    if "block" in w:
+        block(w, "block", "weights.", BLOCKS)
+    listed = set(weight_keys)
+    quantized = w.get("quantized", {})
+    if not isinstance(quantized, dict) or len(quantized) > MAX_NAMES:
+        raise fail("weights.quantized", f"a JSON object of at most {MAX_NAMES} entries", quantized)
+    for key, q in quantized.items():
+        where = f"weights.quantized[{key!r}]."
+        if key not in listed:
+            raise fail(where[:-1], "a tensor named in graph.weights", key)
+        if not isinstance(q, dict):
+            raise fail(where[:-1], "a JSON object {format, block, scales}", q)
+        string(q, "format", where, QUANT_FORMATS)
+        block(q, "block", where, BLOCKS)
+        if string(q, "scales", where) not in listed:
+            raise fail(where + "scales", "a tensor named in graph.weights", q["scales"])
+    per_token = w.get("bytes_per_token", {})
+    if not isinstance(per_token, dict) or len(per_token) > 16:
+        raise fail("weights.bytes_per_token", "a JSON object of at most 16 formats", per_token)
+    for fmt in per_token:
+        integer(per_token, fmt, "weights.bytes_per_token.", 0, MAX_FILE_BYTES)
 
 
 def check_graph(g: dict[str, Any], model: dict[str, Any]) -> None:
@@ -241,8 +288,7 @@ def validate_manifest(d: dict[str, Any]) -> None:
             check(d[key], d["model"])
         else:
             check(d[key])
-    string(d["weights"], "file", "weights.")
-    check_relative(d["weights"]["file"], "weights.file")
+    check_weights(d["weights"], d["graph"]["weights"])
     strings(d["pipeline"], "pipeline", 256)
     check_tokenizer(d.get("tokenizer"))
     check_sections(d.get("sections") or {})

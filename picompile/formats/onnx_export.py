@@ -20,6 +20,8 @@ tvm_linear         TvmLinear       as Linear, plus kernel
 tvm_predict        TvmPredict      as Predict, plus kernel1, kernel2
 =================  ==============  =============================================================
 
+Quantized weights (int8 / int4 artifacts) are their quants (int8 / uint8 initializers) with their float16
+scales as trailing inputs: ``s_up, s_gate, s_down`` of the FFN ops, ``s`` of Linear / TvmLinear.
 ``n_rows`` is the neuron count the node covers (the part's rows for SparseFFN, all neurons for
 Predict / OracleMask / FFN). The model is for inspection, not for running: onnxruntime has no
 kernels for the ``picompile`` domain. Inputs and outputs are those of the artifact's graph, with
@@ -66,7 +68,8 @@ OP_TYPES: dict[str, str] = {
 }
 MASK_OUTPUT: set[str] = {"predict", "tvm_predict", "oracle_mask"}  # ops whose output is a bool mask
 
-_FLOAT_TYPES: list[str] = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(double)"]
+_FLOAT_TYPES: list[str] = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(double)",
+                           "tensor(int8)", "tensor(uint8)"]  # int8 / int4 weights: their quants
 
 
 def _op_type(name: str) -> str:
@@ -125,10 +128,16 @@ def _d_model(x: Any) -> int:
     return int(x.shape[-1]) if x.shape is not None and isinstance(x.shape[-1], int) else -1
 
 
+def _scales(*scales: Optional[Any]) -> list[Optional[Any]]:
+    """A quantized node's trailing scale inputs (int8 / int4 weights); none for a float node."""
+    return list(scales) if any(s is not None for s in scales) else []
+
+
 # The translation functions: called by torch.onnx with the fx node's arguments, in the torch op's order.
 def _t_ffn(x: Any, w_up: Any, b_up: Optional[Any], w_gate: Optional[Any], w_down: Any, b_down: Optional[Any],
-           act: str, layer: int, mask: Optional[Any] = None) -> Any:
-    return _emit("ffn", [x, w_up, b_up, w_gate, w_down, b_down, mask],
+           act: str, layer: int, mask: Optional[Any] = None, s_up: Optional[Any] = None, s_gate: Optional[Any] = None,
+           s_down: Optional[Any] = None) -> Any:
+    return _emit("ffn", [x, w_up, b_up, w_gate, w_down, b_down, mask, *_scales(s_up, s_gate, s_down)],
                  dict(act=act, layer=layer, n_rows=_rows(w_up), d_model=_d_model(x), gated=int(w_gate is not None)))
 
 
@@ -145,12 +154,12 @@ def _t_tvm_predict(x: Any, fc1: Any, fc2: Any, threshold: float, layer: int, ker
                                                             rank=_rows(fc1), d_model=_d_model(x)))
 
 
-def _t_linear(x: Any, w: Any, b: Optional[Any]) -> Any:
-    return _emit("linear", [x, w, b], dict(n_rows=_rows(w), d_model=_d_model(x)))
+def _t_linear(x: Any, w: Any, b: Optional[Any], s: Optional[Any] = None) -> Any:
+    return _emit("linear", [x, w, b, *_scales(s)], dict(n_rows=_rows(w), d_model=_d_model(x)))
 
 
-def _t_tvm_linear(x: Any, w: Any, b: Optional[Any], kernel: str) -> Any:
-    return _emit("tvm_linear", [x, w, b], dict(kernel=kernel, n_rows=_rows(w), d_model=_d_model(x)))
+def _t_tvm_linear(x: Any, w: Any, b: Optional[Any], kernel: str, s: Optional[Any] = None) -> Any:
+    return _emit("tvm_linear", [x, w, b, *_scales(s)], dict(kernel=kernel, n_rows=_rows(w), d_model=_d_model(x)))
 
 
 def _t_oracle_mask(x: Any, w: Any, b: Optional[Any], act: str, threshold: float, layer: int,
@@ -160,16 +169,18 @@ def _t_oracle_mask(x: Any, w: Any, b: Optional[Any], act: str, threshold: float,
 
 
 def _t_sparse_ffn(x: Any, w_up: Any, b_up: Optional[Any], w_gate: Optional[Any], w_down_t: Any, mask: Optional[Any],
-                  act: str, layer: int, part: str, device: str) -> Any:
-    return _emit("sparse_ffn", [x, w_up, b_up, w_gate, w_down_t, mask],
+                  act: str, layer: int, part: str, device: str, s_up: Optional[Any] = None,
+                  s_gate: Optional[Any] = None, s_down: Optional[Any] = None) -> Any:
+    return _emit("sparse_ffn", [x, w_up, b_up, w_gate, w_down_t, mask, *_scales(s_up, s_gate, s_down)],
                  dict(act=act, layer=layer, part=part, device=device, n_rows=_rows(w_up), d_model=_d_model(x),
                       gated=int(w_gate is not None)))
 
 
 def _t_tvm_sparse_ffn(x: Any, w_up: Any, b_up: Optional[Any], w_gate: Optional[Any], w_down_t: Any,
                       mask: Optional[Any], act: str, layer: int, part: str, device: str, kernel: str,
-                      gpu_kernel: str) -> Any:
-    return _emit("tvm_sparse_ffn", [x, w_up, b_up, w_gate, w_down_t, mask],
+                      gpu_kernel: str, s_up: Optional[Any] = None, s_gate: Optional[Any] = None,
+                      s_down: Optional[Any] = None) -> Any:
+    return _emit("tvm_sparse_ffn", [x, w_up, b_up, w_gate, w_down_t, mask, *_scales(s_up, s_gate, s_down)],
                  dict(act=act, layer=layer, part=part, device=device, kernel=kernel, gpu_kernel=gpu_kernel,
                       n_rows=_rows(w_up), d_model=_d_model(x), gated=int(w_gate is not None)))
 

@@ -11,12 +11,48 @@ from torch import fx
 
 from picompile.ir.graph import get_tensor
 from picompile.ir.ops import activation_score, is_picompile_op, lin
-from picompile.ir.schema import arg, args_of
+from picompile.ir.schema import arg, args_of, node_op
 
 aten = torch.ops.aten
 
 # --weight-dtype / --predictor-dtype names -> the dtype a weight is stored in
 WEIGHT_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16}
+# --weight-dtype names of the block-quantized formats (picompile.kernels.qformat): quants + float16 scales
+QUANT_WEIGHT_DTYPES: tuple[str, ...] = ("int8", "int4")
+# bytes per stored element of each --weight-dtype, before a quantized format's scales (2 bytes per block)
+_ELEMENT_BYTES: dict[str, float] = {"float32": 4.0, "float16": 2.0, "int8": 1.0, "int4": 0.5}
+
+
+def weight_itemsize(name: str, block: int = 32) -> float:
+    """Bytes one weight element of --weight-dtype ``name`` costs in the artifact, its share of the float16
+    scales included (int4, block 32: 0.5625; what a decode step reads per element of a row)."""
+    return _ELEMENT_BYTES[name] + (2.0 / block if name in QUANT_WEIGHT_DTYPES else 0.0)
+
+
+# picompile op -> {weight argument: the argument holding its float16 scales when it is quantized}
+SCALE_ARGS: dict[str, dict[str, str]] = {
+    "ffn": {"w_up": "s_up", "w_gate": "s_gate", "w_down": "s_down"},
+    "sparse_ffn": {"w_up": "s_up", "w_gate": "s_gate", "w_down_t": "s_down"},
+    "tvm_sparse_ffn": {"w_up": "s_up", "w_gate": "s_gate", "w_down_t": "s_down"},
+    "linear": {"w": "s"},
+    "tvm_linear": {"w": "s"},
+}
+
+
+def scale_of(node: fx.Node, weight: str) -> fx.Node | None:
+    """The scales node of weight argument ``weight`` of a picompile op node when that weight is quantized, else None."""
+    op = node_op(node)
+    s_name = SCALE_ARGS.get(op or "", {}).get(weight)
+    return None if s_name is None else arg(node, s_name)
+
+
+def quantized_weights(node: fx.Node) -> dict[str, tuple[fx.Node, fx.Node]]:
+    """{weight argument: (quants node, scales node)} of a picompile op node's quantized weights."""
+    op = node_op(node)
+    if op not in SCALE_ARGS:
+        return {}
+    a = args_of(node)
+    return {w: (a[w], a[s]) for w, s in SCALE_ARGS[op].items() if a[s] is not None and a[w] is not None}
 
 
 def ffn_nodes(gm: fx.GraphModule) -> dict[int, fx.Node]:

@@ -84,12 +84,14 @@ def arg(node: fx.Node, name: str) -> Any:
 
 
 def call_args(op: str, values: Mapping[str, Any]) -> tuple[Any, ...]:
-    """A positional argument tuple for picompile::op from named values: trailing defaults left out."""
+    """A positional argument tuple for picompile::op from named values: trailing defaults left out (and trailing
+    None values whose default is None, so a graph written before an optional argument existed reads the same)."""
     names = arg_names(op)
     unknown = set(values) - set(names)
     if unknown:
         raise KeyError(f"picompile::{op} has no argument {', '.join(sorted(unknown))}; it takes {', '.join(names)}")
-    last = max((i for i, n in enumerate(names) if n in values), default=-1)
+    last = max((i for i, (n, default) in enumerate(_arguments(op)) if n in values
+                and not (values[n] is None and default is None)), default=-1)
     out: list[Any] = []
     for i, (name, default) in enumerate(_arguments(op)[: last + 1]):
         if name in values:

@@ -130,6 +130,7 @@ def inspect_artifact(root: Path, as_json: bool = False, graph: bool = False, ver
     console.print(f"graph    {m.graph['file']}: inputs input_ids + {m.graph['n_past']} KV tensors, "
                   f"{len(m.graph['weights'])} weight tensors")
     console.print(f"tokenizer {m.tokenizer['kind'] if m.tokenizer else 'none'}")
+    console.print(f"weights  {weights_line(m.weights)}")
     extra = [c for c in LAYER_COLUMNS if any(c in layer for layer in m.layers)]
     t = Table(title="FFN layers", title_justify="left")
     for col in ["layer", "kind", "act", "d_model", "neurons", *extra]:
@@ -171,6 +172,22 @@ def inspect_artifact(root: Path, as_json: bool = False, graph: bool = False, ver
 
         print(format_graph(load_graph(root, m)))
     return 0
+
+
+def weights_line(w: dict[str, Any]) -> str:
+    """The weights' format (block, quantized tensors, fallbacks) and the bytes one decode token reads by format."""
+    fmt = str(w.get("dtype", "float32"))
+    if "block" in w:
+        fmt += f" (blocks of {w['block']}, float16 scales; {len(w.get('quantized', {}))} quantized tensors)"
+    per_token = w.get("bytes_per_token") or {}
+    if not per_token:
+        return fmt
+    parts = ", ".join(f"{k} {_size(v)}" for k, v in sorted(per_token.items(), key=lambda kv: -kv[1]))
+    return f"{fmt}; read per decode token {_size(sum(per_token.values()))}: {parts}"
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
 
 
 def load_steps_of(root: Path, load: dict[str, Any]) -> tuple[list[str], list[str]]:
