@@ -223,6 +223,26 @@ def test_cli_refuses_bad_gguf_with_one_line(tmp_path: Path, capsys: pytest.Captu
     assert not (tmp_path / "a.pic").exists()
 
 
+def test_spm_tokenizer_adds_bos_by_default(tmp_path: Path) -> None:
+    """A SentencePiece ("llama") vocabulary without tokenizer.ggml.add_bos_token adds BOS, as in llama.cpp; the
+    directory written tokenizes as transformers' GGUF tokenizer does."""
+    from transformers import AutoTokenizer
+
+    from picompile.frontend.gguf import open_reader
+    from picompile.frontend.gguf_tokenizer import tokenizer_dir
+
+    toks = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), "\u2581a", "\u2581b", "ab", "\u2581ab"]
+    types = [2, 3, 3, *([6] * 256), 1, 1, 1, 1]  # unknown, control ×2, byte ×256, normal
+    path = write_tiny_gguf(tmp_path / "spm.gguf", meta=lambda w: (
+        w.add_tokenizer_model("llama"), w.add_token_list(toks), w.add_token_scores([-float(i) for i in range(len(toks))]),
+        w.add_token_types(types), w.add_unk_token_id(0), w.add_bos_token_id(1), w.add_eos_token_id(2)))
+    tok_dir = tokenizer_dir(path, "spm-test", open_reader(path))
+    assert tok_dir is not None
+    assert json.loads((tok_dir / "tokenizer_config.json").read_text())["add_bos_token"] is True
+    ours = AutoTokenizer.from_pretrained(str(tok_dir))("a b ab").input_ids
+    assert ours[0] == 1 and ours == AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)("a b ab").input_ids
+
+
 # ----------------------------------------------------------------------------- SmolLM2 (a real trained model)
 
 @pytest.fixture(scope="module")
@@ -235,13 +255,100 @@ def smollm2() -> Path:
         pytest.skip(f"SmolLM2-135M-Instruct GGUF not available: {e}")
 
 
-@pytest.fixture(scope="module")
-def smollm2_artifact(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import picompile
+def _greedy_run(artifact: Path, prompt: list[int], n: int, capsys: pytest.CaptureFixture[str]) -> list[int]:
+    """``picompile run ART --ids … -n N --json``: the ids it generated."""
+    from picompile.cli import main
 
-    out = tmp_path_factory.mktemp("smollm2") / "smollm2.pic"
-    return picompile.build(smollm2, output=out, pipeline="dense", max_seq_len=256, emit=lambda s: None,
-                           progress=False)
+    assert main(["run", str(artifact), "--ids", ",".join(map(str, prompt)), "-n", str(n), "--json"]) == 0
+    return list(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["ids"])
+
+
+def test_tiny_gguf_build_and_run_equals_hf(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """picompile build model.gguf + picompile run: the greedy ids of the HF model the GGUF was exported from."""
+    from transformers import AutoModelForCausalLM
+
+    import picompile
+    from picompile.formats.gguf_export import export_gguf
+    from picompile.testing import save_tiny_checkpoint
+
+    ckpt = save_tiny_checkpoint(tmp_path / "ckpt", "llama", "silu", seed=9)
+    src = export_gguf(Path(ckpt), tmp_path / "tiny.gguf", outtype="f32")
+    art = picompile.build(src, output=tmp_path / "tiny.pic", pipeline="dense", emit=lambda s: None, progress=False)
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert manifest["model"]["source_format"] == "gguf" and manifest["model"]["source"] == "tiny.gguf"
+    assert json.loads((art / "tokenizer" / "tokenizer_config.json").read_text())["add_bos_token"] is False  # as written
+    ref = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    prompt = [1, 17, 99, 4, 250]
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
+    assert _greedy_run(art, prompt, 8, capsys) == want
+
+
+def test_spm_tokenizer_adds_bos_by_default(tmp_path: Path) -> None:
+    """A SentencePiece ("llama") vocabulary without tokenizer.ggml.add_bos_token adds BOS, as in llama.cpp; the
+    directory written tokenizes as transformers' GGUF tokenizer does."""
+    from transformers import AutoTokenizer
+
+    from picompile.frontend.gguf import open_reader
+    from picompile.frontend.gguf_tokenizer import tokenizer_dir
+
+    toks = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), "\u2581a", "\u2581b", "ab", "\u2581ab"]
+    types = [2, 3, 3, *([6] * 256), 1, 1, 1, 1]  # unknown, control ×2, byte ×256, normal
+    path = write_tiny_gguf(tmp_path / "spm.gguf", meta=lambda w: (
+        w.add_tokenizer_model("llama"), w.add_token_list(toks), w.add_token_scores([-float(i) for i in range(len(toks))]),
+        w.add_token_types(types), w.add_unk_token_id(0), w.add_bos_token_id(1), w.add_eos_token_id(2)))
+    tok_dir = tokenizer_dir(path, "spm-test", open_reader(path))
+    assert tok_dir is not None
+    assert json.loads((tok_dir / "tokenizer_config.json").read_text())["add_bos_token"] is True
+    ours = AutoTokenizer.from_pretrained(str(tok_dir))("a b ab").input_ids
+    assert ours[0] == 1 and ours == AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)("a b ab").input_ids
+
+
+# ----------------------------------------------------------------------------- SmolLM2 (a real trained model)
+
+@pytest.fixture(scope="module")
+def smollm2() -> Path:
+    from picompile.testing import smollm2_gguf
+
+    try:
+        return smollm2_gguf()
+    except RuntimeError as e:
+        pytest.skip(f"SmolLM2-135M-Instruct GGUF not available: {e}")
+
+
+SMOLLM2_TEXT = "The capital of France is Paris. <|im_start|>user\nWhat is 2+2?<|im_end|> naïve café 12345"
+
+
+def test_smollm2_config_and_tokenizer(smollm2: Path) -> None:
+    """Config from the metadata; the tokenizer directory written is a standard HF one giving transformers'
+    GGUF tokenizer's ids (no BOS: SmolLM2's add_bos_token is false) and chat template."""
+    from transformers import AutoTokenizer
+
+    from picompile.frontend.gguf import config_from_metadata, open_reader
+    from picompile.frontend.gguf_tokenizer import tokenizer_dir
+
+    reader = open_reader(smollm2)
+    c = config_from_metadata(reader, smollm2)
+    assert (c["num_hidden_layers"], c["hidden_size"], c["intermediate_size"], c["num_attention_heads"],
+            c["num_key_value_heads"], c["vocab_size"], c["max_position_embeddings"]) == (30, 576, 1536, 9, 3, 49152, 8192)
+    assert c["tie_word_embeddings"] is True and c["rope_parameters"]["rope_theta"] == 100000.0
+    assert abs(c["rms_norm_eps"] - 1e-5) < 1e-9 and (c["bos_token_id"], c["eos_token_id"]) == (1, 2)
+
+    tok_dir = tokenizer_dir(smollm2, "smollm2-test", reader)
+    assert tok_dir is not None
+    cfg = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    assert cfg["add_bos_token"] is False and cfg["bos_token"] == "<|im_start|>" and cfg["eos_token"] == "<|im_end|>"
+    assert "<|im_start|>assistant" in cfg["chat_template"]
+    ref_tok = AutoTokenizer.from_pretrained(str(smollm2.parent), gguf_file=smollm2.name)
+    our_tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    ids = our_tok(SMOLLM2_TEXT).input_ids
+    assert ids == ref_tok(SMOLLM2_TEXT).input_ids and ids[0] != ref_tok.bos_token_id
+    chat = [{"role": "user", "content": "Hi"}]
+    assert our_tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == \
+        ref_tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    from picompile.formats.tokenizers import HFTokenizer
+
+    assert HFTokenizer.from_file(tok_dir).encode(SMOLLM2_TEXT, bos=False) == ids
 
 
 def _transformers_reference(path: Path) -> torch.nn.Module:
@@ -256,39 +363,25 @@ def _transformers_reference(path: Path) -> torch.nn.Module:
     return model.eval()
 
 
-def test_smollm2_config_tokenizer_and_greedy_text(smollm2: Path, smollm2_artifact: Path,
-                                                  capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.slow
+def test_smollm2_build_run_greedy_equals_transformers(smollm2: Path, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """picompile build SmolLM2.gguf + picompile run: 16 greedy tokens = transformers' generate on the same
+    dequantized weights (~2-3 min on 2 busy cores: a 30-layer capture, two GGUF reads)."""
+    import picompile
+
+    art = picompile.build(smollm2, output=tmp_path / "smollm2.pic", pipeline="dense", max_seq_len=256,
+                          emit=lambda s: None, progress=False)
+    m = json.loads((art / "manifest.json").read_text())["model"]
+    assert (m["source_format"], m["n_layers"], m["n_kv_heads"], m["head_dim"]) == ("gguf", 30, 3, 64)
+    assert m["extra"]["gguf"]["type_counts"] == {"F32": 61, "Q4_1": 210, "Q8_0": 1}
+    assert m["source"] == smollm2.name and "/" not in json.dumps(m["extra"])
+    assert json.loads((art / "tokenizer" / "tokenizer_config.json").read_text())["add_bos_token"] is False
+
     from transformers import AutoTokenizer
 
-    from picompile.cli import main
-
-    manifest = json.loads((smollm2_artifact / "manifest.json").read_text())
-    m = manifest["model"]
-    assert (m["source_format"], m["n_layers"], m["d_model"], m["n_kv_heads"], m["head_dim"], m["vocab_size"]) == \
-        ("gguf", 30, 576, 3, 64, 49152)
-    assert m["config"]["tie_word_embeddings"] is True and m["config"]["rope_parameters"]["rope_theta"] == 100000.0
-    assert m["extra"]["gguf"]["type_counts"] == {"F32": 61, "Q4_1": 210, "Q8_0": 1}
-    assert m["source"] == smollm2.name and "path" not in json.dumps(m["extra"])
-
-    # the artifact's tokenizer directory is a standard HF one: same ids as transformers' GGUF tokenizer, no BOS
-    tok_dir = smollm2_artifact / "tokenizer"
-    cfg = json.loads((tok_dir / "tokenizer_config.json").read_text())
-    assert cfg["add_bos_token"] is False and cfg["bos_token"] == "<|im_start|>" and cfg["eos_token"] == "<|im_end|>"
-    assert "<|im_start|>assistant" in cfg["chat_template"]
-    ref_tok = AutoTokenizer.from_pretrained(str(smollm2.parent), gguf_file=smollm2.name)
-    our_tok = AutoTokenizer.from_pretrained(str(tok_dir))
-    text = "The capital of France is Paris. <|im_start|>user\nWhat is 2+2?<|im_end|> naïve café 12345"
-    ids = our_tok(text).input_ids
-    assert ids == ref_tok(text).input_ids and ids[0] != ref_tok.bos_token_id
-    chat = [{"role": "user", "content": "Hi"}]
-    assert our_tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == \
-        ref_tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-
-    # greedy text: picompile run on the artifact = transformers' generate on the same dequantized weights
-    prompt = ids[:12]
+    prompt = AutoTokenizer.from_pretrained(str(art / "tokenizer"))(SMOLLM2_TEXT).input_ids[:12]
     ref = _transformers_reference(smollm2)
     with torch.no_grad():
         want = ref.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
-    assert main(["run", str(smollm2_artifact), "--ids", ",".join(map(str, prompt)), "-n", "16", "--json"]) == 0
-    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["ids"]
-    assert got == want
+    assert _greedy_run(art, prompt, 16, capsys) == want

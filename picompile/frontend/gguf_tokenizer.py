@@ -4,7 +4,7 @@ transformers converts the ``tokenizer.ggml.*`` metadata (vocabulary, merges or s
 token ids) into a ``tokenizers`` tokenizer (``AutoTokenizer.from_pretrained(dir, gguf_file=…)``); this module
 saves it as ``tokenizer.json`` + ``tokenizer_config.json`` (``bos_token``, ``eos_token``, ``unk_token``,
 ``pad_token``, ``add_bos_token`` / ``add_eos_token`` from ``tokenizer.ggml.add_bos_token`` /
-``add_eos_token``, ``chat_template`` from ``tokenizer.chat_template``) in this machine's cache,
+``add_eos_token`` or, when absent, llama.cpp's default for the vocabulary type, ``chat_template`` from ``tokenizer.chat_template``) in this machine's cache,
 ``<cache>/gguf/<sha256 of the file>/tokenizer/``, and the frontend hands that directory on as an ``hf``
 tokenizer, exactly as for a checkpoint directory. Nothing of BPE or SentencePiece is re-implemented here.
 """
@@ -20,6 +20,10 @@ from typing import Any
 from picompile.errors import ModelLoadError
 
 TOKENIZER_FILES: tuple[str, ...] = ("tokenizer.json", "tokenizer_config.json")
+# llama.cpp's defaults when the file has no tokenizer.ggml.add_bos_token / add_eos_token (llama-vocab.cpp: SPM
+# and WPM vocabularies add BOS, UGM adds EOS, BPE neither)
+ADD_BOS_BY_DEFAULT: tuple[str, ...] = ("llama", "bert")
+ADD_EOS_BY_DEFAULT: tuple[str, ...] = ("t5",)
 # keys transformers' save_pretrained writes that name this machine or this load, not the tokenizer
 _DROPPED_KEYS: tuple[str, ...] = ("is_local", "local_files_only", "name_or_path", "_commit_hash")
 
@@ -37,8 +41,8 @@ def tokenizer_config(tok: Any, saved: dict[str, Any], meta: dict[str, Any]) -> d
         val = getattr(tok, key, None)
         if isinstance(val, str):
             cfg[key] = val
-    cfg["add_bos_token"] = bool(meta.get("add_bos_token", False))
-    cfg["add_eos_token"] = bool(meta.get("add_eos_token", False))
+    cfg["add_bos_token"] = bool(meta["add_bos_token"])
+    cfg["add_eos_token"] = bool(meta["add_eos_token"])
     template = meta.get("chat_template")
     if isinstance(template, str) and template:
         cfg["chat_template"] = template
@@ -50,10 +54,11 @@ def tokenizer_metadata(reader: Any) -> dict[str, Any]:
     """What of a GGUFReader's tokenizer.* metadata the tokenizer_config.json needs (the rest transformers reads)."""
     from picompile.frontend.gguf import field
 
+    model = field(reader, "tokenizer.ggml.model")
     return {
-        "model": field(reader, "tokenizer.ggml.model"),
-        "add_bos_token": field(reader, "tokenizer.ggml.add_bos_token", False),
-        "add_eos_token": field(reader, "tokenizer.ggml.add_eos_token", False),
+        "model": model,
+        "add_bos_token": field(reader, "tokenizer.ggml.add_bos_token", model in ADD_BOS_BY_DEFAULT),
+        "add_eos_token": field(reader, "tokenizer.ggml.add_eos_token", model in ADD_EOS_BY_DEFAULT),
         "chat_template": field(reader, "tokenizer.chat_template"),
     }
 
