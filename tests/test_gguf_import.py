@@ -137,21 +137,33 @@ def test_q8_0_q4_0_blocks_kept_bit_for_bit(qtype: str, fmt: str, tmp_path: Path)
         assert torch.equal(s.view(torch.int16), file_s.view(torch.int16)), t.name
 
 
-def test_hf_export_round_trip_same_logits(tmp_path: Path) -> None:
-    """A tiny HF Llama written by picompile.formats.gguf_export (Q/K permuted for llama.cpp) and read back here
-    gives the HF model's logits: the permutation is undone."""
+ROPES: dict[str, dict[str, Any] | None] = {
+    "default": None,
+    "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32},  # a rope_freqs tensor in GGUF
+}
+
+
+@pytest.mark.parametrize("rope", list(ROPES))
+def test_hf_export_round_trip_same_logits(rope: str, tmp_path: Path) -> None:
+    """A tiny HF Llama written by picompile.formats.gguf_export (Q/K permuted for llama.cpp, RoPE scaling as
+    metadata or a rope_freqs tensor) and read back here gives the HF model's logits over 100 positions."""
     from transformers import AutoModelForCausalLM
 
     from picompile.formats.gguf_export import export_gguf
     from picompile.frontend import load_model
-    from picompile.testing import save_tiny_checkpoint
+    from picompile.testing import make_tiny_model
 
-    ckpt = save_tiny_checkpoint(tmp_path / "ckpt", "llama", "silu", seed=5)
-    out = export_gguf(Path(ckpt), tmp_path / "tiny.gguf", outtype="f32")
+    hf = make_tiny_model("llama", "silu", seed=5)
+    if ROPES[rope] is not None:
+        hf.config.rope_parameters = ROPES[rope]
+    hf.save_pretrained(tmp_path / "ckpt")
+    out = export_gguf(tmp_path / "ckpt", tmp_path / "tiny.gguf", outtype="f32")
     model, info = load_model(str(out))
-    ref = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ckpt"), dtype=torch.float32).eval()
     assert info.source_format == "gguf" and info.family == "llama" and info.n_kv_heads == ref.config.num_key_value_heads
-    ids = torch.randint(0, info.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, info.vocab_size, (1, 100), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=0, atol=1e-5)
 
