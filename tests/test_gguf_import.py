@@ -181,6 +181,10 @@ def test_non_llama_architecture_refused(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedArchitectureError) as e:
         load_gguf(path)
     assert "unsupported GGUF architecture gpt2" in _one_line(e)
+    path = write_tiny_gguf(tmp_path / "moe.gguf", meta=lambda w: w.add_expert_count(8))
+    with pytest.raises(UnsupportedArchitectureError) as e:
+        load_gguf(path)
+    assert "mixture-of-experts llama model (8 experts)" in _one_line(e)
 
 
 def test_truncated_gguf_refused(tmp_path: Path) -> None:

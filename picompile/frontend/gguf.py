@@ -129,6 +129,10 @@ def config_from_metadata(reader: Any, path: Path) -> dict[str, Any]:
     """The HF ``LlamaConfig`` keyword arguments the file's metadata describes (checked against its bounds)."""
     a = architecture_of(reader, path)
     names = {t.name for t in reader.tensors}
+    experts = _int(reader, f"{a}.expert_count", path, 0)
+    if experts > 0:
+        raise UnsupportedArchitectureError(f"{path}: a mixture-of-experts {a} model ({experts} experts) is not "
+                                           "supported; only dense Llama FFNs are")
     n_embd = _int(reader, f"{a}.embedding_length", path)
     n_head = _int(reader, f"{a}.attention.head_count", path)
     if n_head < 1:

@@ -5,7 +5,7 @@ token ids) into a ``tokenizers`` tokenizer (``AutoTokenizer.from_pretrained(dir,
 saves it as ``tokenizer.json`` + ``tokenizer_config.json`` (``bos_token``, ``eos_token``, ``unk_token``,
 ``pad_token``, ``add_bos_token`` / ``add_eos_token`` from ``tokenizer.ggml.add_bos_token`` /
 ``add_eos_token`` or, when absent, llama.cpp's default for the vocabulary type, ``chat_template`` from ``tokenizer.chat_template``) in this machine's cache,
-``<cache>/gguf/<sha256 of the file>/tokenizer/``, and the frontend hands that directory on as an ``hf``
+``<cache>/gguf/<sha256 of the file>/v<LAYOUT_VERSION>/tokenizer/``, and the frontend hands that directory on as an ``hf``
 tokenizer, exactly as for a checkpoint directory. Nothing of BPE or SentencePiece is re-implemented here.
 """
 from __future__ import annotations
@@ -19,6 +19,8 @@ from typing import Any
 
 from picompile.errors import ModelLoadError
 
+# bumped when what write_tokenizer produces changes, so a cached directory of an older layout is not reused
+LAYOUT_VERSION: int = 1
 TOKENIZER_FILES: tuple[str, ...] = ("tokenizer.json", "tokenizer_config.json")
 # llama.cpp's defaults when the file has no tokenizer.ggml.add_bos_token / add_eos_token (llama-vocab.cpp: SPM
 # and WPM vocabularies add BOS, UGM adds EOS, BPE neither)
@@ -91,7 +93,7 @@ def write_tokenizer(path: Path, meta: dict[str, Any], out: Path) -> bool:
 def tokenizer_dir(path: Path, digest: str, reader: Any) -> Path | None:
     """The HF tokenizer directory of GGUF file ``path`` (content ``digest``, open in ``reader``), made once per
     content in the cache; None when the file holds no tokenizer."""
-    root = cache_root() / digest
+    root = cache_root() / digest / f"v{LAYOUT_VERSION}"
     final = root / "tokenizer"
     none_marker = root / "no-tokenizer"
     if all((final / n).is_file() for n in TOKENIZER_FILES):
