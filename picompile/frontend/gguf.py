@@ -73,12 +73,12 @@ def open_reader(path: Path) -> Any:
     try:
         reader = gguf.GGUFReader(str(path), "r")
     except ValueError as e:
-        msg = str(e)
+        msg = " ".join(str(e).split())
         if "GGMLQuantizationType" in msg:
             raise ModelLoadError(f"{path}: unknown GGML tensor type ({msg})") from None
         raise ModelLoadError(f"corrupt or truncated GGUF file {path}: {msg[:200]}") from None
     except (OSError, IndexError, KeyError, TypeError, OverflowError, UnicodeDecodeError, MemoryError) as e:
-        raise ModelLoadError(f"corrupt or truncated GGUF file {path}: {type(e).__name__}: {str(e)[:200]}") from None
+        raise ModelLoadError(f"corrupt or truncated GGUF file {path}: {type(e).__name__}: {' '.join(str(e).split())[:200]}") from None
     size = path.stat().st_size
     for t in reader.tensors:
         end = int(t.data_offset) + int(t.n_bytes)
@@ -96,7 +96,7 @@ def field(reader: Any, key: str, default: Any = None) -> Any:
     try:
         return f.contents()
     except (ValueError, IndexError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"GGUF metadata {key} is unreadable: {e}") from None
+        raise ModelLoadError(f"GGUF metadata {key} is unreadable: {' '.join(str(e).split())[:200]}") from None
 
 
 def architecture_of(reader: Any, path: Path) -> str:

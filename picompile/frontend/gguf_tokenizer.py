@@ -78,7 +78,7 @@ def write_tokenizer(path: Path, meta: dict[str, Any], out: Path) -> bool:
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as e:  # transformers raises ValueError/KeyError/NotImplementedError variously
         raise ModelLoadError(f"{path}: its {meta['model']!r} tokenizer could not be converted: "
-                             f"{type(e).__name__}: {str(e)[:160]}") from None
+                             f"{type(e).__name__}: {' '.join(str(e).split())[:160]}") from None
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tok.save_pretrained(tmp)
         saved = json.loads((Path(tmp) / "tokenizer_config.json").read_text(encoding="utf-8"))
