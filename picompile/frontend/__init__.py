@@ -1,4 +1,4 @@
-"""Frontends: turn what the user names (HF dir, hub id, llama2.c .bin, .onnx) into a torch model + ModelInfo."""
+"""Frontends: turn what the user names (HF dir, hub id, llama2.c .bin, .onnx, .gguf) into a torch model + ModelInfo."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -60,8 +60,14 @@ def load_model(spec: str) -> tuple[torch.nn.Module, ModelInfo]:
             from picompile.frontend.onnx import load_onnx
 
             return load_onnx(path)
+        if path.suffix.lower() == ".gguf":  # a llama.cpp GGUF file (see picompile.frontend.gguf)
+            from picompile.frontend.gguf import load_gguf
+
+            model, config, tokenizer, extra = load_gguf(path)
+            return model, _info(model, config, "LlamaForCausalLM", "llama", str(path), "gguf", tokenizer, extra)
         raise ModelLoadError(
-            f"{path} is a file, not a model: give a Hugging Face checkpoint directory or a llama2.c .bin"
+            f"{path} is a file, not a model: give a Hugging Face checkpoint directory, a llama2.c .bin, "
+            "an .onnx or a .gguf file"
         )
     if not path.exists() and (spec.startswith((".", "/", "~")) or spec.count("/") != 1):
         raise ModelLoadError(f"model path {spec} does not exist")
