@@ -217,6 +217,15 @@ class _Calibrator:
         for g in self.rw.groups:
             g.finish()
 
+    def errors(self) -> list[list[float]]:
+        """Per group, the relative output error of its projections at each level (``Group.output_error``)."""
+        gm = self.runner.module
+        out = []
+        for mask, group in zip(self.rw.masks, self.rw.groups):
+            w_ts = [get_tensor(gm, args_of(u)["w_t"]) for u in mask.users if node_op(u) == "input_sparse_linear"]
+            out.append(group.output_error(w_ts))
+        return out
+
     def nll(self, sparsity: list[float]) -> float:
         """Mean held-out NLL (nats per token) with every group at its sparsity."""
         self.runner.thresholds = {m: g.threshold(s) for m, g, s in zip(self.rw.masks, self.rw.groups, sparsity)}
@@ -226,7 +235,10 @@ class _Calibrator:
         return total / self.tokens
 
     def curves(self, on_group: Callable[[], None]) -> list[list[float]]:
-        """Per group (graph order), the mean KL from dense per held-out token with only that group sparsified."""
+        """Per group, its loss curve over the levels: the mean KL from dense per held-out token with only that group
+        sparsified, measured at ANCHOR (each group's forward resumed from the dense run at its mask), shaped by the
+        group's output error at the other levels."""
+        errors = self.errors()
         r = self.runner
         order = sorted(range(len(self.rw.masks)), key=lambda i: r.pos[self.rw.masks[i]])
         out: list[list[float]] = [[] for _ in self.rw.masks]
@@ -235,16 +247,15 @@ class _Calibrator:
             for gi in order:
                 mask, group = self.rw.masks[gi], self.rw.groups[gi]
                 p = r.pos[mask]
-                kl = [0.0] * len(isp.LEVELS)
+                kl = 0.0
                 for ci, chunk in enumerate(self.held):
                     env, at = cursors[ci]
                     r.thresholds = {}
                     r.steps(env, at, p, self.inputs(chunk))
                     cursors[ci] = (env, p)
-                    for j, s in enumerate(isp.LEVELS):
-                        r.thresholds = {mask: group.threshold(s)}
-                        kl[j] += _kl(self.dense[ci], r.logprobs(self.inputs(chunk), env, p))
-                out[gi] = [v / self.tokens for v in kl]
+                    r.thresholds = {mask: group.threshold(isp.ANCHOR)}
+                    kl += _kl(self.dense[ci], r.logprobs(self.inputs(chunk), env, p))
+                out[gi] = isp.anchored(kl / self.tokens, errors[gi])
                 r.thresholds = {}
                 on_group()
         return out

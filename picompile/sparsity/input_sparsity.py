@@ -5,7 +5,9 @@ A *group* is a set of projections that read the same input (q/k/v; o; gate/up; d
 skips the same weight rows (nn.Linear columns) of all of them, so its bytes saved at channel sparsity ``s`` are
 ``s · bytes``. Its loss curve is the measured KL divergence of the model's next-token distribution from the dense
 model's when only that group is sparsified, on held-out calibration tokens sampled from the model (so the KL is
-the expected increase of the calibration NLL). The allocation walks a greedy path: each step raises the group
+the expected increase of the calibration NLL). The KL is measured at one level (ANCHOR: one resumed forward per
+group); its shape over the other levels is the group's relative output error on calibration rows (cheap: one GEMM
+per level), scaled to meet the measured KL at the anchor. The allocation walks a greedy path: each step raises the group
 whose next level costs the least loss per byte saved; the byte target stops it at the target, an accuracy budget
 bisects along it on the real (all groups together) loss.
 """
@@ -17,7 +19,9 @@ from typing import Callable, Sequence
 import torch
 
 LEVELS: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # channel sparsities measured per group
+ANCHOR: float = 0.5  # the level at which each group's loss is measured end to end
 MAX_SAMPLES = 1 << 18  # |x| values kept per group for its quantiles
+MAX_ROWS = 256  # calibration input rows kept per group for its output-error curve
 
 
 @dataclass
@@ -30,9 +34,13 @@ class Group:
     bytes: int  # weight bytes of every projection reading this input (read per token when dense)
     samples: list[torch.Tensor] = field(default_factory=list)  # |x| [k] chunks, before finish()
     ordered: torch.Tensor | None = None  # [S] sorted |x| (after finish())
+    rows: list[torch.Tensor] = field(default_factory=list)  # [r, d_in] input rows, MAX_ROWS in all
 
     def add(self, x: torch.Tensor, generator: torch.Generator) -> None:
-        """Keep a random subset of the entries of ``x`` [..., d_in] (at most MAX_SAMPLES in all)."""
+        """Keep a random subset of the entries of ``x`` [..., d_in] (at most MAX_SAMPLES in all) and its first rows."""
+        have = sum(int(r.shape[0]) for r in self.rows)
+        if have < MAX_ROWS:
+            self.rows.append(x.detach().reshape(-1, x.shape[-1])[: MAX_ROWS - have].float().clone())
         flat = x.detach().reshape(-1).abs().float()
         keep = max(1, MAX_SAMPLES // 8)
         if flat.numel() > keep:
@@ -52,6 +60,25 @@ class Group:
             return 0.0
         k = min(int(sparsity * self.ordered.numel()), self.ordered.numel() - 1)
         return float(self.ordered[k])
+
+
+    def output_error(self, w_ts: Sequence[torch.Tensor], levels: Sequence[float] = LEVELS) -> list[float]:
+        """Relative squared error of the projections' outputs (``x Wᵀ`` for each input-major ``w_t`` [d_in, d_out]) on
+        the kept rows when the channels below each level's threshold are dropped: one value per level."""
+        x = torch.cat(self.rows) if self.rows else torch.zeros(1, self.d_in)  # [r, d_in]
+        ys = [x @ w.float() for w in w_ts]
+        ref = sum(float((y * y).sum()) for y in ys) or 1.0
+        out = []
+        for s in levels:
+            dropped = x * (x.abs() <= self.threshold(s))  # what the mask removes
+            out.append(sum(float(((dropped @ w.float()) ** 2).sum()) for w in w_ts) / ref)
+        return out
+
+
+def anchored(kl_at_anchor: float, error: Sequence[float], levels: Sequence[float] = LEVELS) -> list[float]:
+    """A loss curve over ``levels``: the output-error curve scaled to equal the measured KL at ANCHOR."""
+    at = error[min(range(len(levels)), key=lambda j: abs(levels[j] - ANCHOR))]
+    return [kl_at_anchor * e / max(at, 1e-12) for e in error]
 
 
 @dataclass
