@@ -11,6 +11,7 @@ from picompile.passes import (  # noqa: F401
     package,
     place_neurons,
     profile_activations,
+    sparsify_inputs,
     split_ffn,
     train_predictors,
 )

@@ -15,6 +15,7 @@ DENSE_RECALL: float = 0.99
 ActCriterion = Literal["gate", "product"]
 WeightDType = Literal["float32", "float16", "int8", "int4"]  # int8/int4: picompile.kernels.qformat
 PredictorDType = Literal["float32", "float16"]
+InputSparsity = Literal["off", "attention", "all"]  # sparsify-inputs: which projections get input thresholds
 
 
 def default_cache_dir() -> Path:
@@ -54,6 +55,12 @@ class BuildConfig:
     sparsity_allocation: SparsityAllocation = "uniform"  # non-ReLU FFNs: per-layer thresholds against the loss
     allocation_step: float = 0.05  # greedy allocation: sparsity added to one layer per step
     allocation_tokens: int = 2048  # calibration tokens the allocation's loss is measured on
+    input_sparsity: InputSparsity = "off"  # TEAL-style |x| thresholds on the inputs of q/k/v and o ("attention"), and
+    # of gate/up and down of SiLU/GELU FFNs too ("all"; ReLU FFNs keep their neuron predictor)
+    input_allocation: SparsityAllocation = "greedy"  # per-tensor input sparsities by measured loss per byte, or uniform
+    accuracy_budget: float | None = None  # input sparsity: max relative perplexity increase on held-out calibration
+    # tokens (0.01 = +1 %); None = --act-sparsity is the fraction of those projections' weight bytes skipped per token
+    input_loss_tokens: int = 512  # held-out calibration tokens the input-sparsity loss curves are measured on
     recall_target: float | None = None  # predictor threshold tuned to find this share of active neurons;
     # None = RELU_RECALL when every FFN is ReLU (sparse, redundant: misses cost little), else DENSE_RECALL
     predictor_budget: float = 0.2  # all predictors together, as a fraction of FFN parameters
@@ -93,6 +100,13 @@ class BuildConfig:
             (self.sparsity_allocation in ("greedy", "uniform"), "--sparsity-allocation must be greedy or uniform",
              self.sparsity_allocation),
             (0.0 < self.allocation_step <= 0.5, "--allocation-step must be in (0, 0.5]", self.allocation_step),
+            (self.input_sparsity in ("off", "attention", "all"), "--input-sparsity must be off, attention or all",
+             self.input_sparsity),
+            (self.input_allocation in ("greedy", "uniform"), "--input-allocation must be greedy or uniform",
+             self.input_allocation),
+            (self.accuracy_budget is None or 0.0 < self.accuracy_budget <= 10.0, "--accuracy-budget must be in (0, 10]",
+             self.accuracy_budget),
+            (self.input_loss_tokens >= 16, "--input-loss-tokens must be >= 16", self.input_loss_tokens),
             (self.allocation_tokens >= 16, "--allocation-tokens must be >= 16", self.allocation_tokens),
             (self.recall_target is None or 0.0 < self.recall_target <= 1.0, "--recall-target must be in (0, 1]",
              self.recall_target),
@@ -123,11 +137,13 @@ class BuildConfig:
 
         ints = {"calibration_tokens": "--calibration-tokens", "allocation_tokens": "--allocation-tokens",
                 "predictor_epochs": "predictor_epochs", "placement_batch": "--placement-batch",
-                "min_layer_neurons": "--min-layer-neurons", "seed": "--seed", "quant_block": "--quant-block"}
+                "min_layer_neurons": "--min-layer-neurons", "seed": "--seed", "quant_block": "--quant-block",
+                "input_loss_tokens": "--input-loss-tokens"}
         nums = {"act_sparsity": "--act-sparsity", "allocation_step": "--allocation-step",
                 "predictor_budget": "--predictor-budget"}
         optional = {"max_seq_len": ("--max-seq-len", is_int), "recall_target": ("--recall-target", is_num),
-                    "vram_budget_gib": ("--vram-budget", is_num)}
+                    "vram_budget_gib": ("--vram-budget", is_num),
+                    "accuracy_budget": ("--accuracy-budget", is_num)}
         out: list[tuple[bool, str, object]] = [(is_int(getattr(self, k)), f"{flag} must be an integer", getattr(self, k))
                                                for k, flag in ints.items()]
         out += [(is_num(getattr(self, k)), f"{flag} must be a finite number", getattr(self, k)) for k, flag in nums.items()]

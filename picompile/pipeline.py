@@ -23,9 +23,9 @@ _SPARSE: list[str] = [
 ]
 PIPELINES: dict[str, list[str]] = {
     # the sparse hot/cold graph with its parts lowered to TVM kernels
-    "default": [*_SPARSE, "lower-tvm", "package"],
+    "default": [*_SPARSE, "lower-tvm", "sparsify-inputs", "package"],
     # the same graph on the reference torch ops (no TVM): what the kernels are checked against
-    "reference": [*_SPARSE, "package"],
+    "reference": [*_SPARSE, "sparsify-inputs", "package"],
     # the model as captured, FFNs in canonical form: what every sparse build is checked against
     "dense": ["capture", "canonicalize-ffn", "fold-kv-repeat", "convert-weights", "package"],
 }

@@ -13,7 +13,7 @@ from torch import fx
 from picompile.ir.graph import shared_copy
 from picompile.ir.schema import args_of, node_op, set_args
 
-MASKED_OPS: tuple[str, ...] = ("ffn", "sparse_ffn", "tvm_sparse_ffn")  # picompile ops taking a neuron mask "mask"
+MASKED_OPS: tuple[str, ...] = ("ffn", "sparse_ffn", "tvm_sparse_ffn", "input_sparse_linear")  # ops taking a mask "mask"
 
 
 def masks_of(node: fx.Node) -> dict[str, Any]:

@@ -47,6 +47,19 @@ def add_parser(sub: Any) -> None:
                         "chosen greedily against the calibration loss (greedy)")
     b.add_argument("--allocation-tokens", type=int_range(16, 1 << 31), default=2048, metavar="N",
                    help="calibration tokens the greedy allocation measures the loss on (default 2048)")
+    b.add_argument("--input-sparsity", choices=["off", "attention", "all"], default="off",
+                   help="TEAL-style input sparsity: |x| thresholds on the inputs of q/k/v and o (attention), and of "
+                        "gate/up and down of SiLU/GELU FFNs too (all; build those with --predictor none; ReLU FFNs "
+                        "keep their neuron predictor); --act-sparsity is then the fraction of those weight bytes "
+                        "skipped per token (default off)")
+    b.add_argument("--input-allocation", choices=["greedy", "uniform"], default="greedy",
+                   help="input sparsity per tensor: greedy by measured calibration loss per byte saved (default), "
+                        "or the same channel sparsity everywhere")
+    b.add_argument("--accuracy-budget", type=finite_float(0.0, 10.0, lo_open=True), default=None, metavar="F",
+                   help="input sparsity: skip as many bytes as keep the held-out calibration perplexity within "
+                        "+F (0.01 = +1 %%) instead of a fixed --act-sparsity")
+    b.add_argument("--input-loss-tokens", type=int_range(16, 1 << 31), default=512, metavar="N",
+                   help="held-out calibration tokens the input-sparsity loss curves are measured on (default 512)")
     b.add_argument("--recall-target", type=finite_float(0.0, 1.0, lo_open=True), default=None, metavar="F",
                    help="predictor recall target (default 0.95 when every FFN is ReLU, else 0.99)")
     b.add_argument("--predictor-budget", type=finite_float(0.0, 1.0, lo_open=True), default=0.2, metavar="F",
@@ -82,7 +95,9 @@ def cmd(args: argparse.Namespace) -> int:
         predictor_kind=args.predictor_kind,
         placement_batch=args.placement_batch, min_layer_neurons=args.min_layer_neurons, weight_dtype=args.weight_dtype, cpu_mcpu=args.cpu_mcpu,
         quant_block=args.quant_block,
-        predictor_dtype=args.predictor_dtype,
+        predictor_dtype=args.predictor_dtype, input_sparsity=args.input_sparsity,
+        input_allocation=args.input_allocation, accuracy_budget=args.accuracy_budget,
+        input_loss_tokens=args.input_loss_tokens,
     )
     err = console()
     start = time.perf_counter()

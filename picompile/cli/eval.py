@@ -29,6 +29,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--sweep-values", metavar="V,V,…", help=f"values to sweep (default recall {RELU_SWEEP} for ReLU, "
                                                          f"act-sparsity {ACT_SWEEP} otherwise)")
     e.add_argument("--vs", choices=["ort"], help="also score the dense model in ONNX Runtime (CPU) as a reference")
+    e.add_argument("--cats", action="store_true",
+                   help="also rebuild CATS (|act(gate x)| thresholds) at the weight bytes this artifact skips and "
+                        "score it on the same inputs (SiLU/GELU models; needs the source model)")
     e.add_argument("--no-verify", action="store_true", help="skip the checksum check")
     e.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     e.set_defaults(fn=cmd)
@@ -61,7 +64,8 @@ def cmd(args: argparse.Namespace) -> int:
 
         result = evaluate.evaluate(args.artifact, args.ppl, args.tasks or (), args.limit, stride=args.stride,
                           max_tokens=args.ppl_tokens, verify=not args.no_verify, do_sweep=args.sweep,
-                          sweep_values=values, vs_ort=args.vs == "ort", progress=progress)
+                          sweep_values=values, vs_ort=args.vs == "ort", cats=args.cats,
+                          progress=progress)
     if args.json:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")
     else:

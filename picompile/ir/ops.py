@@ -446,3 +446,57 @@ def tvm_predict(
 def _tvm_predict_fake(x: Tensor, fc1: Tensor, fc2: Tensor, threshold: float, layer: int, kernel1: str,
                       kernel2: str, act: str = "relu", offset: Optional[Tensor] = None) -> Tensor:
     return x.new_empty((*x.shape[:-1], fc2.shape[0]), dtype=torch.bool)
+
+
+# ----------------------------------------------------------------------------- input sparsity (TEAL-style)
+
+
+@torch.library.custom_op("picompile::input_mask", mutates_args=())
+def input_mask(
+    x: Tensor,  # [..., d_in] the input of one or more input-sparse linears
+    threshold: float,  # |x_i| above this: channel i is active
+    layer: int,
+    group: str,  # "qkv" | "o" | "gate_up" | "down": which projections read these channels
+) -> Tensor:
+    """Which input channels an input-sparse linear reads: ``|x| > threshold`` → [..., d_in] bool (TEAL's
+    magnitude criterion, one threshold per tensor set from calibration quantiles)."""
+    return x.abs() > threshold
+
+
+@input_mask.register_fake
+def _input_mask_fake(x: Tensor, threshold: float, layer: int, group: str) -> Tensor:
+    return x.new_empty(x.shape, dtype=torch.bool)
+
+
+@torch.library.custom_op("picompile::input_sparse_linear", mutates_args=())
+def input_sparse_linear(
+    x: Tensor,  # [..., d_in] float32
+    w_t: Tensor,  # [d_in, d_out] the weight input-major (nn.Linear's transposed), float32 or float16
+    b: Optional[Tensor],  # [d_out] float32
+    mask: Optional[Tensor],  # [..., d_in] bool: the input channels read (None = every channel)
+    kernel: str = "",  # key of the llvm row-axpy kernel (kind "down") for one token; "" = torch
+) -> Tensor:
+    """``y = Σ_{i active} x_i · w_t[i] (+ b)``: only the weight rows (nn.Linear columns) of active input channels
+    are read. One token with a kernel gathers the active channels and runs the ``down`` kernel over their rows;
+    otherwise torch computes ``(x · mask) @ w_t``."""
+    d_in = x.shape[-1]
+    if kernel and x.numel() == d_in:
+        from picompile.kernels import as_aligned
+
+        xv = x.reshape(d_in)
+        idx = (_all_rows(d_in) if mask is None else mask.reshape(d_in).nonzero().squeeze(1).to(torch.int32))
+        h = as_aligned(xv.index_select(0, idx) if mask is not None else xv)  # [k] float32
+        y = _out(w_t.shape[1])  # [d_out]
+        _loaded(kernel, "input-sparse linear").unchecked(h, w_t, idx, y)  # type: ignore[attr-defined]
+        if b is not None:
+            y += b
+        return y.reshape(*x.shape[:-1], w_t.shape[1])
+    xm = x if mask is None else x * mask
+    y = lin(xm, w_t.t())  # [..., d_out]
+    return y if b is None else y + b
+
+
+@input_sparse_linear.register_fake
+def _input_sparse_linear_fake(x: Tensor, w_t: Tensor, b: Optional[Tensor], mask: Optional[Tensor],
+                              kernel: str = "") -> Tensor:
+    return x.new_empty((*x.shape[:-1], w_t.shape[1]))

@@ -98,3 +98,51 @@ def sweep(artifact: str | Path, inputs: Inputs, values: Sequence[float] | None =
                            "tasks": {k: {"acc": t["acc"], "acc_norm": t["acc_norm"]} for k, t in r["tasks"].items()}})
     return {"knob": knob, "points": points,
             "options": {k: str(v) if isinstance(v, Path) else v for k, v in opts.items()}}
+
+
+MAX_CATS_SPARSITY = 0.95  # CATS thresholds beyond this leave too few neurons to mean anything
+
+
+def cats_sparsity(manifest: Any, bytes_fraction: float) -> float:
+    """The CATS neuron sparsity that skips ``bytes_fraction`` of the blocks' projection bytes: an inactive neuron
+    saves its up and down rows (2 of the 3 rows of a gated FFN; its gate row is read to decide)."""
+    from picompile.tools.eval_scoring import block_weight_bytes
+
+    total = block_weight_bytes(manifest)
+    item = total / max(1.0, _block_elements(manifest))
+    saved_per_unit = sum(2 * int(layer["d_model"]) * int(layer["n_neurons"]) for layer in manifest.layers) * item
+    return min(MAX_CATS_SPARSITY, bytes_fraction * total / max(saved_per_unit, 1.0))
+
+
+def _block_elements(manifest: Any) -> float:
+    m, cfg = manifest.model, manifest.model.get("config") or {}
+    d, hd, kv = int(m["d_model"]), int(m["head_dim"]), int(m["n_kv_heads"])
+    heads = int(cfg.get("num_attention_heads") or cfg.get("n_head") or d // hd)
+    ffn = sum((3 if l.get("kind") == "gated" else 2) * int(l["d_model"]) * int(l["n_neurons"]) for l in manifest.layers)
+    return float((d * heads * hd * 2 + 2 * d * kv * hd) * int(m["n_layers"]) + ffn)
+
+
+def cats_same_bytes(artifact: str | Path, inputs: Inputs, bytes_fraction: float, *, stride: int | None = None,
+                    progress: Callable[[str, int], Advance] | None = None) -> dict[str, Any]:
+    """CATS (|act(gate x)| thresholds, uniform over layers, oracle masks) rebuilt from the artifact's source with the
+    same calibration, at the neuron sparsity that skips the bytes the artifact's input sparsity skipped: its ppl, task
+    accuracy and its own measured bytes skipped."""
+    import picompile
+    from picompile.formats.artifact import read_manifest
+
+    manifest = read_manifest(Path(artifact), verify=False)
+    if any(layer.get("act") == "relu" for layer in manifest.layers):
+        raise PicompileError("CATS applies to SiLU/GELU FFNs; this artifact has ReLU FFNs")
+    s = cats_sparsity(manifest, bytes_fraction)
+    opts = {**rebuild_options(manifest), "pipeline": "reference", "predictor": "oracle", "act_criterion": "gate",
+            "sparsity_allocation": "uniform", "act_sparsity": s, "input_sparsity": "off"}
+    with tempfile.TemporaryDirectory(prefix="picompile-cats-") as tmp:
+        if progress:
+            progress(f"building CATS at {s:.3f}", 0)
+        out = picompile.build(**opts, output=Path(tmp) / "cats.pic", emit=lambda s: None)
+        session = picompile.load(out, verify=False)
+        advance = progress("CATS", inputs.n_calls(session.max_seq_len, stride)) if progress else no_progress
+        r = run_one(session, inputs, stride, advance)
+    return {"act_sparsity": s, "bytes_skipped_fraction": r["bytes_skipped_fraction"],
+            "skipped_fraction": r["skipped_fraction"], **{k: r[k] for k in ("ppl", "nll") if k in r},
+            "tasks": {k: {"acc": t["acc"], "acc_norm": t["acc_norm"]} for k, t in r["tasks"].items()}}

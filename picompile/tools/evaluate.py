@@ -13,6 +13,11 @@ choosing the neurons) and ``picompile.load(art, dense=True)`` (the same weights,
 - the skipped-neuron fraction is *measured*: the graph's neuron masks (``picompile::predict`` /
   ``picompile::oracle_mask`` outputs) are counted over every token position the sparse run computes, per layer,
   then averaged over layers. The manifest's estimate (mean of 1 − predicted_active) is reported beside it.
+- ``bytes_skipped_fraction`` is measured too: every mask the run computes (neuron masks and input sparsity's
+  ``picompile::input_mask``), each inactive entry weighed by the weight bytes it leaves unread, per token, over the
+  bytes of the transformer blocks' projections (q, k, v, o, FFN; embeddings and lm_head are not counted).
+- ``cats=True`` (``--cats``): CATS rebuilt from the artifact's source at the neuron sparsity that skips the same
+  bytes as the artifact did (measured above), scored on the same inputs in the same run.
 """
 from __future__ import annotations
 
@@ -21,13 +26,13 @@ from typing import Any, Callable, Sequence
 
 from picompile.tools.eval_inputs import Inputs, prepare
 from picompile.tools.eval_scoring import Advance, OrtScorer, no_progress, manifest_skipped, run_one
-from picompile.tools.eval_sweep import rebuild_options, sweep, sweep_plan
+from picompile.tools.eval_sweep import cats_same_bytes, rebuild_options, sweep, sweep_plan
 
 
 def evaluate(artifact: str | Path, ppl: str | Path | None = None, tasks: Sequence[str | Path] = (),
              limit: int | None = None, *, stride: int | None = None, max_tokens: int | None = None,
              tokenizer: Any | None = None, verify: bool = True, do_sweep: bool = False,
-             sweep_values: Sequence[float] | None = None, vs_ort: bool = False,
+             sweep_values: Sequence[float] | None = None, vs_ort: bool = False, cats: bool = False,
              progress: Callable[[str, int], Advance] | None = None) -> dict[str, Any]:
     """Dense and sparse evaluation of ``artifact`` in one run; the dict ``picompile eval --json`` prints.
 
@@ -48,6 +53,7 @@ def evaluate(artifact: str | Path, ppl: str | Path | None = None, tasks: Sequenc
     n = inputs.n_calls(int(manifest.build["max_seq_len"]), stride)
     if do_sweep:
         sweep_plan(manifest, sweep_values)
+    if do_sweep or cats:
         rebuild_options(manifest)
     sparse = picompile.load(artifact, verify=False)
     dense = picompile.load(artifact, verify=False, dense=True)
@@ -59,6 +65,9 @@ def evaluate(artifact: str | Path, ppl: str | Path | None = None, tasks: Sequenc
     if vs_ort:
         advance = progress("onnxruntime dense", n) if progress else no_progress
         result["ort_dense"] = ort_dense(artifact, sparse, inputs, stride, advance)
+    if cats and result["bytes_skipped_fraction"]:
+        result["cats"] = cats_same_bytes(artifact, inputs, result["bytes_skipped_fraction"], stride=stride,
+                                         progress=progress)
     if do_sweep:
         result["sweep"] = sweep(artifact, inputs, sweep_values, stride=stride, progress=progress)
     return result
@@ -90,6 +99,7 @@ def assemble(artifact: str | Path, session: Any, inputs: Inputs, d: dict[str, An
         "skipped_fraction_source": "measured",
         "skipped_fraction_manifest": manifest_skipped(m),
         "skipped_per_layer": s["skipped_per_layer"],
+        "bytes_skipped_fraction": s["bytes_skipped_fraction"],
         "tasks": {},
     }
     if result["skipped_fraction"] is None:
@@ -152,6 +162,17 @@ def _main_table(result: dict[str, Any]) -> Any:
     table.add_row(f"skipped FFN neurons ({result['skipped_fraction_source']})", _fmt(0.0), _fmt(result["skipped_fraction"]),
                   _delta(0.0, result["skipped_fraction"]))
     table.add_row("skipped FFN neurons (manifest estimate)", "", _fmt(result["skipped_fraction_manifest"]), "")
+    if result.get("bytes_skipped_fraction") is not None:
+        table.add_row("weight bytes skipped per token (measured)", _fmt(0.0), _fmt(result["bytes_skipped_fraction"]),
+                      _delta(0.0, result["bytes_skipped_fraction"]))
+    c = result.get("cats")
+    if c:  # CATS at the same bytes; delta = CATS against dense
+        label = f"CATS at {c['act_sparsity']:.3f} neurons, bytes {_fmt(c['bytes_skipped_fraction'])}"
+        if "ppl" in c:
+            table.add_row(f"perplexity, {label}", _fmt(d.get("ppl")), _fmt(c["ppl"]), _delta(d.get("ppl"), c["ppl"], pct=True))
+        for name, t in c["tasks"].items():
+            table.add_row(f"{name} acc, CATS", _fmt(result["tasks"][name]["dense"]["acc"]), _fmt(t["acc"]),
+                          _delta(result["tasks"][name]["dense"]["acc"], t["acc"]))
     o = result.get("ort_dense")
     if o and "ppl" in o:  # the dense reference in ONNX Runtime; delta = sparse against it
         table.add_row("perplexity, ONNX Runtime dense", _fmt(o["ppl"]), _fmt(s["ppl"]), _delta(o["ppl"], s["ppl"], pct=True))

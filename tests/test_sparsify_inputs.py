@@ -1,0 +1,145 @@
+"""sparsify-inputs: input-sparse linears (q/k/v, o, gate/up, down) equal their torch reference through the row-axpy
+kernel, 0 % gives the dense logits exactly, the allocation keeps its budget, and a bad allocation is clearly worse."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import picompile
+from picompile.ir.graph import count_ops
+from picompile.ir.ops import input_sparse_linear
+from picompile.pipeline import pass_names
+from picompile.runtime.loader import load_kernels
+from picompile.sparsity import input_sparsity as isp
+from picompile.testing import context_for, run_passes
+
+IDS = [9, 8, 7, 60, 50, 40, 30, 20]
+
+
+def _decode(gm: torch.fx.GraphModule, ctx, ids: list[int]) -> torch.Tensor:
+    """Prefill 3 tokens (torch path), then one token at a time (the kernels): logits [len(ids), vocab]."""
+    outs = []
+    with torch.no_grad():
+        out = gm(torch.tensor([ids[:3]]), *ctx.info.kv_tensors())
+        outs.append(out[0][0])
+        for t in ids[3:]:
+            out = gm(torch.tensor([[t]]), *out[1:])
+            outs.append(out[0][0])
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kernel_equals_torch_reference(dtype: torch.dtype, tmp_path: Path) -> None:
+    from picompile.kernels import KernelSpec, as_aligned, build_kernel
+    from picompile.kernels.loader import load_kernel
+    from picompile.kernels.table import add_kernel
+
+    d_in, d_out = 96, 80
+    spec = KernelSpec(kind="down", act="none", d_model=d_out, n_rows=d_in, weight_dtype=str(dtype).removeprefix("torch."),
+                      has_bias=False, target="llvm")
+    add_kernel(spec.key(), load_kernel(build_kernel(spec, tmp_path), spec))
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(d_out, d_in, generator=g).to(dtype)  # nn.Linear layout
+    w_t = as_aligned(w.t().contiguous(), copy=True)  # [d_in, d_out]
+    b = torch.randn(d_out, generator=g)
+    x = torch.randn(1, 1, d_in, generator=g)
+    mask = x.abs() > 0.8  # about 40 % of the channels
+    ref = torch.nn.functional.linear(x * mask, w.float(), b)  # the dense product over the active channels
+    got = input_sparse_linear(x, w_t, b, mask, spec.key())
+    assert got.shape == ref.shape and torch.allclose(got, ref, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(input_sparse_linear(x, w_t, b, mask), ref, atol=1e-4, rtol=1e-4)  # the torch path
+    assert torch.allclose(input_sparse_linear(x, w_t, b, None, spec.key()),
+                          torch.nn.functional.linear(x, w.float(), b), atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def silu_ckpt(checkpoints: dict) -> Path:
+    return checkpoints[("llama", "silu")]
+
+
+def test_lowered_pass_matches_reference_and_skips_bytes(silu_ckpt: Path, tmp_path: Path) -> None:
+    names = pass_names("default")[:-1]  # through sparsify-inputs
+    ctx = context_for(silu_ckpt, tmp_path, predictor="none", input_sparsity="all", act_sparsity=0.4,
+                      calibration_tokens=512, input_loss_tokens=128)
+    gm = run_passes(ctx, names)
+    ops = count_ops(gm)
+    L = ctx.info.n_layers
+    assert ops.get("picompile::tvm_sparse_ffn", 0) == 0 and ops.get("picompile::merge", 0) == 0
+    assert ops["picompile::input_sparse_linear"] == 4 * L  # qkv (fused), o, gate/up (fused), down per layer
+    assert ops["picompile::tvm_linear"] == 1  # lm_head stays a dense GEMV
+    report = ctx.manifest_extra["input_sparsity"]
+    assert abs(report["bytes_saved_calibration"] - 0.4) < 0.1
+    assert {g["group"] for g in report["groups"]} == {"qkv", "o", "gate_up", "down"}
+    kinds = sorted(e["spec"]["kind"] for e in ctx.manifest_extra["kernels"])
+    assert kinds.count("up") == 1 and set(kinds) == {"up", "down"}  # the replaced GEMV / FFN kernels are gone
+    for e in ctx.manifest_extra["kernels"]:
+        assert (tmp_path / e["file"]).is_file()
+    with torch.no_grad():  # every token in one prefill: the torch path (x · mask) @ Wᵀ
+        full = gm(torch.tensor([IDS]), *ctx.info.kv_tensors())[0][0]
+    load_kernels(tmp_path, ctx.manifest_extra["kernels"])
+    lowered = _decode(gm, ctx, IDS)  # the last five tokens one at a time: the row-axpy kernels
+    assert (full - lowered).abs().max().item() < 1e-4
+
+
+def test_zero_sparsity_is_exactly_dense(silu_ckpt: Path, tmp_path: Path) -> None:
+    dense = picompile.build(silu_ckpt, output=tmp_path / "d.pic", predictor="none", act_sparsity=0.0)
+    zero = picompile.build(silu_ckpt, output=tmp_path / "z.pic", predictor="none", act_sparsity=0.0, input_sparsity="all")
+    a, b = picompile.load(dense).logits(IDS), picompile.load(zero).logits(IDS)
+    assert torch.equal(a, b)
+    # thresholds of 0 on every input: the input-sparse graph computes the dense model (up to summation order)
+    some = picompile.build(silu_ckpt, output=tmp_path / "s.pic", predictor="none", act_sparsity=0.3, input_sparsity="all",
+                           calibration_tokens=256, input_loss_tokens=64, input_allocation="uniform")
+    s = picompile.load(some)
+    assert count_ops(s.graph).get("picompile::input_mask", 0) > 0
+    assert torch.allclose(picompile.load(some, dense=True).logits(IDS), a, atol=1e-4)
+    with torch.no_grad():  # the masked graph (what decode and eval run; the prompt's prefill is dense)
+        masked = s.graph(torch.tensor([IDS]), *s.empty_past())[0][0]
+    assert not torch.allclose(masked, a, atol=1e-4)  # the masks do change the logits
+
+
+def test_budget_is_respected_and_bad_allocation_is_worse(silu_ckpt: Path, tmp_path: Path) -> None:
+    from picompile.passes.sparsify_inputs import _Calibrator, _rewrite
+
+    ctx = context_for(silu_ckpt, tmp_path, predictor="none", input_sparsity="all", accuracy_budget=0.02,
+                      calibration_tokens=512, input_loss_tokens=128, pipeline="reference")
+    run_passes(ctx, pass_names("reference")[:-1])
+    r = ctx.manifest_extra["input_sparsity"]
+    nll = r["calibration_nll"]
+    assert nll["sparse"] <= nll["dense"] + math.log1p(0.02) + 1e-9  # the budget, on the held-out calibration tokens
+    assert r["bytes_saved_calibration"] > 0.05  # … and it does skip bytes
+    # the same bytes spent where the measured loss per byte is worst: clearly worse than the greedy allocation
+    ctx2 = context_for(silu_ckpt, tmp_path / "b", predictor="none", input_sparsity="all", act_sparsity=0.4,
+                       calibration_tokens=512, input_loss_tokens=128, pipeline="reference")
+    gm = run_passes(ctx2, pass_names("reference")[:-2])  # up to sparsify-inputs
+    rw = _rewrite(gm, ctx2)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    cal = _Calibrator(gm, ctx2, rw)
+    cal.collect()
+    curves = cal.curves(lambda: None)
+    sizes = [g.bytes for g in rw.groups]
+    good = isp.for_bytes(isp.greedy_path(curves, sizes), 0.4)
+    worst = sorted(range(len(sizes)), key=lambda i: -curves[i][-1] / sizes[i])
+    bad, saved = [0.0] * len(sizes), 0.0
+    for i in worst:  # the most sensitive groups at 90 % until 40 % of the bytes are skipped
+        if saved >= 0.4 * sum(sizes):
+            break
+        bad[i] = 0.9
+        saved += 0.9 * sizes[i]
+    assert saved >= 0.4 * sum(sizes) - 1e-6
+    dense = cal.dense_nll
+    assert cal.nll(bad) - dense > 1.4 * (cal.nll(good.sparsity) - dense)  # 1.65x here (a random tiny model)
+
+
+def test_greedy_path_spends_bytes_where_loss_is_cheapest() -> None:
+    # group 0 costs 10x the loss of group 1 per level; equal sizes: group 1 fills up first
+    curves = [[0.1 * (j + 1) for j in range(9)], [0.01 * (j + 1) for j in range(9)]]
+    path = isp.greedy_path(curves, [100, 100])
+    assert [a.saved for a in path] == sorted(a.saved for a in path)
+    half = isp.for_bytes(path, 0.45)
+    assert half.sparsity[0] == 0.0 and half.sparsity[1] == 0.9
+    found, _ = isp.within_budget(path, lambda a: a.predicted_loss <= 0.2)
+    assert found is not None and found.predicted_loss <= 0.2 and found.saved > 0.45
