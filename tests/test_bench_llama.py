@@ -28,20 +28,19 @@ from picompile.tools.synthetic import make_synthetic
 
 pytest.importorskip("gguf")
 
-# llama-bench -m tiny.gguf -t 1 -p 8 -n 4 -r 1 -o json (build 0c1e570), trimmed to the fields read or kept
+# `llama-bench -m tiny-f16.gguf -t 1 -p 8 -n 4 -r 1 -o json` of the pinned build (commit 0c1e570, AMD EPYC),
+# on the tiny-llama-relu checkpoint; each row trimmed to some of its fields
 SAMPLE = """[
-  {
-    "build_commit": "0c1e570", "build_number": 1, "cpu_info": "AMD EPYC", "backends": "CPU",
-    "model_type": "llama ?B F16", "model_size": 2367488, "model_n_params": 1183744, "n_batch": 2048,
-    "n_ubatch": 512, "n_threads": 1, "type_k": "f16", "type_v": "f16", "n_gpu_layers": -1, "flash_attn": -1,
-    "n_prompt": 8, "n_gen": 0, "n_depth": 0, "avg_ns": 400000, "stddev_ns": 0, "avg_ts": 20000.0,
-    "stddev_ts": 0.0, "samples_ns": [ 400000 ], "samples_ts": [ 20000.0 ]
-  },
-  {
-    "build_commit": "0c1e570", "build_number": 1, "n_threads": 1, "n_prompt": 0, "n_gen": 4, "n_depth": 0,
-    "avg_ns": 1000000, "stddev_ns": 0, "avg_ts": 4000.0, "stddev_ts": 0.0, "samples_ns": [ 1000000 ],
-    "samples_ts": [ 4000.0 ]
-  }
+  {"build_commit": "0c1e570", "build_number": 1, "cpu_info": "AMD EPYC", "backends": "CPU",
+   "model_type": "llama ?B F16", "model_size": 2034176, "model_n_params": 1016448, "n_threads": 1,
+   "type_k": "f16", "type_v": "f16", "n_gpu_layers": -1, "flash_attn": -1, "repack": true,
+   "n_prompt": 8, "n_gen": 0, "n_depth": 0, "avg_ns": 250041, "avg_ts": 31994.752861,
+   "stddev_ts": 0.000000, "samples_ns": [ 250041 ], "samples_ts": [ 31994.8 ]},
+  {"build_commit": "0c1e570", "build_number": 1, "cpu_info": "AMD EPYC", "backends": "CPU",
+   "model_type": "llama ?B F16", "model_size": 2034176, "model_n_params": 1016448, "n_threads": 1,
+   "type_k": "f16", "type_v": "f16", "n_gpu_layers": -1, "flash_attn": -1, "repack": true,
+   "n_prompt": 0, "n_gen": 4, "n_depth": 0, "avg_ns": 350611, "avg_ts": 11408.655176,
+   "stddev_ts": 0.000000, "samples_ns": [ 350611 ], "samples_ts": [ 11408.7 ]}
 ]
 """
 
@@ -75,7 +74,7 @@ def tiny_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_parse_recorded_json() -> None:
     run = parse_llama_bench(SAMPLE, 8, 4)
-    assert (run.pp_tokens_per_s, run.tg_tokens_per_s) == (20000.0, 4000.0)
+    assert (run.pp_tokens_per_s, run.tg_tokens_per_s) == (31994.752861, 11408.655176)
     assert run.rows[0]["type_k"] == "f16"
     with pytest.raises(PicompileError, match="no tg32 result"):
         parse_llama_bench(SAMPLE, 8, 32)
