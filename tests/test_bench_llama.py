@@ -107,13 +107,14 @@ def test_missing_binary_is_one_line_error(tmp_path: Path, tiny_artifact: Path,
         run_llama_bench([str(exe)])
 
 
-def test_bench_with_fake_llama_bench(tmp_path: Path, tiny_artifact: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from picompile.tools import bench
+def test_bench_with_fake_llama_bench(tmp_path: Path, tiny_artifact: Path) -> None:
+    from picompile.tools.bench import run_bench
 
-    monkeypatch.setattr(bench, "ort_engine", lambda *a: "not in this test")  # its export is most of the time
     exe, log = fake_llama_bench(tmp_path)
-    out = bench.run_bench(tiny_artifact, 4, 16, 2, 1, dense_artifact=False, llama_bench=exe, copy_mib=16, read_mib=16)
+    out = run_bench(tiny_artifact, 4, 16, 2, 1, dense_artifact=False, llama_bench=exe, copy_mib=16, read_mib=16,
+                    onnxruntime=False)  # ONNX Runtime's export would be most of the time
     json.dumps(out)  # as --json prints it
+    assert out["skipped"]["onnxruntime"] == "--no-onnxruntime"
     calls = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(calls) == 3  # the warm-up round, then one per timed round
     gguf = out["engines"]["llama-bench"]["gguf"]

@@ -23,6 +23,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--no-dense-artifact", action="store_true", help="skip the load(dense=True) column")
     p.add_argument("--no-extras", action="store_true", help="skip ONNX Runtime and llama.cpp")
+    p.add_argument("--no-onnxruntime", action="store_true", help="skip ONNX Runtime (keep the other extras)")
     p.add_argument("--llama-bench", metavar="PATH|auto",
                    help="time llama.cpp with its own llama-bench (tg and pp, -t = --threads), interleaved with the "
                         f"other engines; 'auto': the pinned build in the cache ({BUILD_COMMAND})")
@@ -57,7 +58,8 @@ def cmd(args: argparse.Namespace) -> int:
                            dense_artifact=not args.no_dense_artifact, extras=not args.no_extras,
                            llama_bench=args.llama_bench, llama_cpp_python=args.llama_cpp_python,
                            gguf=args.gguf, gguf_type=args.gguf_type, copy_mib=args.copy_mib, read_mib=args.read_mib,
-                           mask_tokens=args.mask_tokens, compile=args.compile, prefill_dtype=args.prefill_dtype,
+                           onnxruntime=not args.no_onnxruntime, mask_tokens=args.mask_tokens, compile=args.compile,
+                           prefill_dtype=args.prefill_dtype,
                            emit=lambda s: status.update(s))
     if args.json:
         sys.stdout.write(json.dumps(result) + "\n")

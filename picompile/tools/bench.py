@@ -92,6 +92,7 @@ class BenchOptions:
     mask_tokens: int  # decode steps whose masks are counted (0: the manifest's figures)
     compile: bool
     prefill_dtype: str | None
+    onnxruntime: bool = True  # with extras: ONNX Runtime too
 
     def checked(self) -> "BenchOptions":
         """These options with the thread count resolved; a PicompileError names the first bad one."""
@@ -163,11 +164,12 @@ def run_bench(
     mask_tokens: int = 8,
     compile: bool = False,
     prefill_dtype: str | None = None,
+    onnxruntime: bool = True,
     emit: Emit = lambda s: None,
 ) -> dict[str, Any]:
     """Measure ``artifact`` against dense PyTorch eager; return the result dict (see the module doc)."""
     opts = BenchOptions(tokens, prompt_len, repeats, threads, dense_artifact, extras, llama_bench, llama_cpp_python, gguf,
-                        gguf_type, copy_mib, read_mib, seed, mask_tokens, compile, prefill_dtype).checked()
+                        gguf_type, copy_mib, read_mib, seed, mask_tokens, compile, prefill_dtype, onnxruntime).checked()
     load_before = os.getloadavg()
     lineup = _lineup(artifact, opts, emit)
     gen = torch.Generator().manual_seed(opts.seed)
@@ -253,8 +255,7 @@ def _extra_engines(lineup: Lineup, opts: BenchOptions, emit: Emit) -> None:
 
     assert opts.threads is not None
     threads = opts.threads
-    emit("setting up onnxruntime")
-    eng = ort_engine(lineup.source, default_cache_dir(), threads)
+    eng = ort_engine(lineup.source, default_cache_dir(), threads) if opts.onnxruntime else "--no-onnxruntime"
     if isinstance(eng, str):
         lineup.skipped["onnxruntime"] = eng
     else:
