@@ -133,6 +133,22 @@ def test_bench_with_fake_llama_bench(tmp_path: Path, tiny_artifact: Path) -> Non
     assert out["llama_cpp_bound_tokens_per_s"] == pytest.approx(out["bandwidth_gbs"] * 1e9 / out["llama_cpp_bytes_per_token"])
     assert out["bound_tokens_per_s"] == pytest.approx(out["bandwidth_gbs"] * 1e9 / out["bytes_per_token"])
     assert out["copy_bandwidth_gbs"] > 0 and len(out["bandwidth_samples_gbs"]) == 2
+    report = _report(out)
+    assert f"picompile / llama.cpp: decode {out['decode_vs_llama_cpp']:.2f}x" in report
+    assert "flash attention auto" in report and "this checkpoint relu: a dense-speed baseline" in report
+    assert f"its tg reaches {out['llama_cpp_bound_share']:.0%}" in report
+
+
+def _report(result: dict) -> str:
+    import io
+
+    from rich.console import Console
+
+    from picompile.tools.bench_report import print_report
+
+    buf = io.StringIO()
+    print_report(result, Console(file=buf, width=400, highlight=False))
+    return " ".join(buf.getvalue().split())
 
 
 def _real_llama_bench() -> Path | None:

@@ -96,7 +96,8 @@ def _llama_cpp_notes(result: dict[str, Any]) -> list[str]:
     lb = result["engines"].get("llama-bench")
     if lb and "decode_vs_llama_cpp" in result:
         facts = lb.get("llama_bench_json") or {}
-        build = f"build {str(facts.get('build_commit', '?'))[:10]}" + (f", fa {facts['flash_attn']}" if "flash_attn" in facts else "")
+        fa = {-1: "auto", 0: "off", 1: "on"}.get(facts.get("flash_attn"), str(facts.get("flash_attn", "?")))
+        build = f"build {str(facts.get('build_commit', '?'))[:10]}, flash attention {fa}"
         precision = ("same precision as the artifact" if lb.get("same_precision")
                      else f"the artifact's weights are {lb.get('artifact_weight_dtype')}")
         act = lb.get("source_activation", "silu")
