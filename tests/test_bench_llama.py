@@ -169,3 +169,35 @@ def test_real_llama_bench_on_tiny_gguf(tmp_path: Path) -> None:
     run = parse_llama_bench(run_llama_bench(llama_bench_command(exe, gguf, 1, 8, 4)), 8, 4)
     assert run.pp_tokens_per_s > 0 and run.tg_tokens_per_s > 0
     assert run.rows[0]["n_threads"] == 1 and run.rows[0]["type_k"] == "f16"
+
+
+def _real_tool(name: str) -> Path | None:
+    exe = _real_llama_bench()
+    return exe.with_name(name) if exe is not None and exe.with_name(name).is_file() else None
+
+
+@pytest.mark.skipif(_real_tool("llama-quantize") is None, reason="no llama.cpp build in the cache (benchmarks/build_llama_cpp.py)")
+def test_peer_gguf_q8_0_through_llama_quantize(tmp_path: Path) -> None:
+    """int8 artifacts' peer: the f16 conversion quantized by llama-quantize, cached beside it, read as fewer bytes."""
+    import gguf
+
+    from picompile.tools.llama_bench import gguf_bytes_per_token, peer_gguf
+
+    ckpt = make_synthetic("tiny-llama-relu", tmp_path / "tiny-llama-relu")
+    calls: list[int] = []
+
+    def quantize() -> Path:
+        calls.append(1)
+        exe = _real_tool("llama-quantize")
+        assert exe is not None
+        return exe
+
+    out = peer_gguf(str(ckpt), "q8_0", tmp_path, quantize)
+    assert out == tmp_path / "gguf" / "tiny-llama-relu-q8_0.gguf"
+    assert gguf.GGUFReader(out).fields["general.file_type"].contents() == 7
+    assert peer_gguf(str(ckpt), "q8_0", tmp_path, quantize) == out and len(calls) == 1  # reused
+    f16 = gguf_bytes_per_token(tmp_path / "gguf" / "tiny-llama-relu-f16.gguf", 10)
+    q8 = gguf_bytes_per_token(out, 10)
+    assert q8["kv"] == f16["kv"] > 0 and 0.5 < q8["weights"] / f16["weights"] < 0.6  # 34 bytes per 32 against 64
+    with pytest.raises(PicompileError, match="GGUF type must be one of"):
+        peer_gguf(str(ckpt), "q5_k", tmp_path, quantize)
