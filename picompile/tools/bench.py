@@ -11,15 +11,16 @@ Every engine runs on the same prompt (seeded random token ids) and decodes greed
                        eager, a manual prefill + decode loop with its KV cache, ``torch.inference_mode()``,
                        in a process of its own (``picompile/tools/engine_worker.py``: the user's OpenMP settings,
                        not the PASSIVE wait policy picompile sets for itself, which slows eager PyTorch ~8 %);
-* optional extras, skipped with a printed reason when not installed: ONNX Runtime on the same weights
-  (``picompile.tools.ort_reference.OrtDenseSession``) and llama.cpp (``llama_cpp`` with a GGUF given by ``--gguf``;
-  ``--gguf auto`` converts the source checkpoint with ``picompile.formats.gguf_export`` into
-  ``<cache>/gguf/NAME-TYPE.gguf``, reused while newer than the checkpoint; ``--gguf-type`` f32 (default,
-  as the artifact's weights) or f16; ``pip install 'picompile[bench]'``). llama.cpp runs the same thread
-  count as the other engines, its KV cache in the ``--gguf-type``, in a process of its own
-  (``picompile/tools/engine_worker.py``) with the user's OpenMP settings rather than this process's PASSIVE. Its ``llama`` architecture computes
-  SiLU in the FFN whatever the checkpoint's activation: for a ReLU model it is a dense-speed baseline
-  (same weights, bytes and FLOPs per token), not the same outputs.
+* optional extras, skipped with a printed reason when not installed or not asked for: ONNX Runtime on the
+  same weights (``picompile.tools.ort_reference.OrtDenseSession``; ``onnxruntime=False`` skips it) and
+  llama.cpp measured by its own ``llama-bench`` (``llama_bench=PATH|"auto"``, :mod:`picompile.tools.llama_bench`:
+  one ``llama-bench -m GGUF -t THREADS -p PROMPT_LEN -n TOKENS -r 1 -o json`` per round, its pp rate as prefill,
+  its tg rate as decode) on a GGUF of the same weights at the artifact's precision (``gguf``: a file, or
+  None / "auto": the source checkpoint converted into ``<cache>/gguf/NAME-TYPE.gguf``; ``gguf_type`` overrides
+  the precision). Its ``llama`` architecture computes SiLU in the FFN whatever the checkpoint's activation: for
+  a ReLU model it is a dense-speed baseline (same weights, bytes and FLOPs per token), not the same outputs.
+  ``llama_cpp_python=True`` runs the GGUF once through llama-cpp-python after the rounds, for its greedy
+  tokens only (not timed).
 
 Rounds are interleaved (A B C, then C B A, …; ``--repeats`` rounds after one untimed warm-up round),
 so load from other processes hits every engine alike; rates are medians over rounds (each engine's best
@@ -30,9 +31,11 @@ Bytes per token: the weight bytes one decode step reads, from the loaded graph: 
 reads in full (attention, norms, predictors, lm_head), one embedding row, and of each FFN the rows of
 the neurons computed: the mask counts measured on a separate decode of the same prompt (fallback: the
 manifest's per-layer ``predicted_active``), plus the KV cache read at the mean decode position. The
-bound is the memory bandwidth divided by it; the bandwidth is ``dst.copy_(src)`` of a buffer much
-larger than the caches, measured once per round (read + write bytes / time, median) — the convention
-of ``benchmarks/kernels.py``.
+bound is the read bandwidth divided by it: ``buf.sum()`` over a buffer much larger than the caches
+(``read_mib``), bytes / time, measured once per round (median); a decode step reads and hardly writes. The
+copy bandwidth (``dst.copy_(src)``, read + write, the convention of ``benchmarks/kernels.py``) is reported
+beside it. llama.cpp's bytes per token are its GGUF's, dense (:func:`picompile.tools.llama_bench.gguf_bytes_per_token`),
+over the same read bandwidth.
 
 The engines are :mod:`picompile.tools.engines`; the byte accounting :mod:`picompile.tools.traffic`.
 """
