@@ -8,7 +8,9 @@ weights, ~10 % of FFN neurons active per token, ~26 % of neurons carrying 80 % o
 (or reuse) its artifact for target ``cpu`` with trained predictors, then run ``picompile bench`` on it
 (each build and each bench in a spawned process of its own, so that no model measured shares a process
 with another one's residue): picompile, the same artifact dense, PyTorch eager (dense, the HF checkpoint), and
-ONNX Runtime / llama.cpp where installed, interleaved rounds, medians. Checkpoints and artifacts are
+ONNX Runtime where installed and llama.cpp's own ``llama-bench`` with ``--llama-bench auto`` (built by
+``benchmarks/build_llama_cpp.py``; the checkpoint as a GGUF at the artifact's precision), interleaved rounds,
+medians. Checkpoints and artifacts are
 cached outside the repository (``$PICOMPILE_CACHE_DIR`` or ``~/.cache/picompile``: ``synthetic/``,
 ``bench/``). Prints one table per model, then both side by side. Not a test.
 """
@@ -32,6 +34,7 @@ from picompile.formats.provenance import resolve_source
 from picompile.formats.artifact import is_artifact, read_manifest
 from picompile.tools.bench import run_bench
 from picompile.tools.bench_report import print_report
+from picompile.tools.llama_bench import GGUF_TYPES
 from picompile.config import default_cache_dir
 from picompile.runtime.loader import stale_kernels
 from picompile.tools.synthetic import make_synthetic, synthetic_params_of
@@ -47,7 +50,6 @@ PREDICTOR_OPTIONS: dict[str, Any] = {"predictor_budget": 0.1, "recall_target": 0
 # artifact file name suffix per --weight-dtype (int8 / int4: blocks of 32, as llama.cpp's q8_0 / q4_0)
 WEIGHT_SUFFIX: dict[str, str] = {"float32": "", "float16": "-f16", "int8": "-q8", "int4": "-q4"}
 # llama.cpp's weight type matching an artifact's (--gguf-type's default, where the bench knows that type)
-GGUF_PEER: dict[str, str] = {"float32": "f32", "float16": "f16", "int8": "q8_0", "int4": "q4_0"}
 
 
 def artifact_for(checkpoint: Path, cache: Path, calibration_tokens: int, predictor: str, log: Any,
@@ -119,22 +121,28 @@ ROWS: list[tuple[str, str, str]] = [  # (label, key, format)
     ("decode tok/s, picompile dense=True", "artifact_dense_decode_tokens_per_s", "{:.2f}"),
     ("decode tok/s, PyTorch eager", "dense_decode_tokens_per_s", "{:.2f}"),
     ("decode tok/s, ONNX Runtime", "ort_decode_tokens_per_s", "{:.2f}"),
-    ("decode tok/s, llama.cpp", "llama_cpp_decode_tokens_per_s", "{:.2f}"),
+    ("decode tok/s, llama.cpp (llama-bench tg)", "llama_cpp_decode_tokens_per_s", "{:.2f}"),
     ("decode speedup vs PyTorch", "decode_speedup", "{:.2f}x"),
     ("decode speedup vs llama.cpp", "decode_vs_llama_cpp", "{:.2f}x"),
     ("  best round vs best round", "best_decode_speedup", "{:.2f}x"),
     ("prefill tok/s, picompile", "prefill_tokens_per_s", "{:.1f}"),
     ("prefill tok/s, PyTorch eager", "dense_prefill_tokens_per_s", "{:.1f}"),
+    ("prefill tok/s, llama.cpp (llama-bench pp)", "llama_cpp_prefill_tokens_per_s", "{:.1f}"),
     ("prefill speedup vs PyTorch", "prefill_speedup", "{:.2f}x"),
+    ("prefill speedup vs llama.cpp", "prefill_vs_llama_cpp", "{:.2f}x"),
     ("  --prefill-dtype: prefill speedup", "low_prefill_speedup", "{:.2f}x"),
     ("FFN neurons computed / token", "ffn_active_fraction", "{:.1%}"),
     ("  predicted active (manifest)", "ffn_active_fraction_manifest", "{:.1%}"),
     ("bytes / token, picompile (GB)", "bytes_per_token", "gb"),
     ("bytes / token, dense (GB)", "dense_bytes_per_token", "gb"),
-    ("copy bandwidth (GB/s)", "bandwidth_gbs", "{:.2f}"),
+    ("bytes / token, llama.cpp GGUF (GB)", "llama_cpp_bytes_per_token", "gb"),
+    ("read bandwidth (GB/s)", "bandwidth_gbs", "{:.2f}"),
+    ("  copy bandwidth, read + write (GB/s)", "copy_bandwidth_gbs", "{:.2f}"),
     ("bound tok/s, picompile", "bound_tokens_per_s", "{:.2f}"),
     ("bound tok/s, dense", "dense_bound_tokens_per_s", "{:.2f}"),
+    ("bound tok/s, llama.cpp", "llama_cpp_bound_tokens_per_s", "{:.2f}"),
     ("picompile decode / its bound", "bound_share", "{:.0%}"),
+    ("llama.cpp tg / its bound", "llama_cpp_bound_share", "{:.0%}"),
     ("greedy tokens equal to PyTorch", "same_tokens_as_pytorch", "{}"),
     ("load average (start, end)", "load_average", "load"),
 ]
@@ -177,8 +185,11 @@ def main() -> int:
     ap.add_argument("--recall-target", type=float,
                     help=f"predictor recall target (default {PREDICTOR_OPTIONS['recall_target']}; the build's default for "
                          "ReLU models is 0.95)")
-    ap.add_argument("--gguf", help="llama.cpp peer: 'auto' converts the checkpoint (needs picompile[bench]), or a file")
-    ap.add_argument("--gguf-type", help="default: the artifact's weight type (where the bench has it)")
+    ap.add_argument("--llama-bench", metavar="PATH|auto",
+                    help="llama.cpp peer: its own llama-bench ('auto': the build of benchmarks/build_llama_cpp.py)")
+    ap.add_argument("--gguf", help="the peer's weights: a GGUF file (default: the checkpoint converted at the artifact's "
+                                   "precision)")
+    ap.add_argument("--gguf-type", choices=GGUF_TYPES, help="default: the artifact's weight precision (f16, q8_0, ...)")
     ap.add_argument("--predictor", default="trained",
                     help="trained | oracle | none, or several comma-separated (e.g. trained,oracle: the oracle "
                          "column shows what exact masks would give)")
@@ -197,9 +208,6 @@ def main() -> int:
     bad = [p for p in predictors if p not in ("trained", "oracle", "none")]
     if bad or not predictors:
         ap.error(f"--predictor takes trained, oracle or none (comma-separated), got {args.predictor!r}")
-    from picompile.tools.bench import GGUF_TYPES
-
-    gguf_type = args.gguf_type or (GGUF_PEER[args.weight_dtype] if GGUF_PEER[args.weight_dtype] in GGUF_TYPES else None)
     cache = args.cache_dir or default_cache_dir() / "bench"
     results: dict[str, dict[str, Any]] = {}
     for shape in [s.strip() for s in args.shapes.split(",") if s.strip()]:
@@ -211,9 +219,9 @@ def main() -> int:
             log(f"{shape} ({predictor}): benchmarking (load average {os.getloadavg()[0]:.1f})")
             result = bench_in_child(dict(
                 artifact=art, tokens=args.tokens, prompt_len=args.prompt_len, repeats=args.repeats,
-                threads=args.threads, extras=not args.no_extras, gguf=args.gguf, gguf_type=gguf_type,
+                threads=args.threads, extras=not args.no_extras, llama_bench=args.llama_bench, gguf=args.gguf,
+                gguf_type=args.gguf_type,
                 compile=args.compile, prefill_dtype=args.prefill_dtype))
-            result["bound_share"] = result["decode_tokens_per_s"] / result["bound_tokens_per_s"]
             ort = result["engines"].get("onnxruntime")
             result["ort_decode_tokens_per_s"] = ort["decode_tokens_per_s"] if ort else None
             print_report(result)

@@ -149,3 +149,57 @@ def test_bench_auto_gguf(tiny: Path, tmp_path: Path) -> None:
     assert eng.label == "llama.cpp f16 (dense; SiLU kernel, same weights)"
     eng.run(TOKENS[:4], 3)
     assert len(eng.tokens) == 4 and all(0 <= t < 512 for t in eng.tokens)
+
+
+def _llama_quantize() -> Path | None:
+    """The pinned llama.cpp build's llama-quantize in the user's cache (benchmarks/build_llama_cpp.py), if built."""
+    import os
+
+    from picompile.tools.llama_bench import llama_cpp_dir
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "picompile"  # the user's, not the test's
+    exe = llama_cpp_dir(cache) / "bin" / "llama-quantize"
+    return exe if exe.is_file() else None
+
+
+def test_quantize_refuses_bad_input(tmp_path: Path, tiny_gguf: dict[str, Path]) -> None:
+    from picompile.formats.gguf_export import quantize_gguf
+
+    with pytest.raises(PicompileError, match="must be one of q8_0, q4_0"):
+        quantize_gguf(tiny_gguf["f16"], tmp_path / "x.gguf", "q5_k", Path("/bin/false"))
+    with pytest.raises(PicompileError, match="does not exist"):
+        quantize_gguf(tmp_path / "missing.gguf", tmp_path / "x.gguf", "q8_0", Path("/bin/false"))
+    with pytest.raises(PicompileError, match=r"llama-quantize q8_0 of tiny-f16.gguf failed \(exit 1\)"):
+        quantize_gguf(tiny_gguf["f16"], tmp_path / "x.gguf", "q8_0", Path("/bin/false"))
+    assert not list(tmp_path.iterdir())  # nothing left behind
+
+
+@pytest.mark.skipif(_llama_quantize() is None, reason="no llama.cpp build in the cache (benchmarks/build_llama_cpp.py)")
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
+def test_llama_quantize_matches_qformat(tiny: Path, tiny_gguf: dict[str, Path], tmp_path: Path, qtype: str) -> None:
+    """llama-quantize's q8_0 / q4_0 of the f16 GGUF dequantize to what kernels/qformat gives the same f16 weights:
+    q4_0 exactly; q8_0 but for exact ties ``x / d = k + 0.5``, one step apart: llama.cpp's ``roundf`` rounds them
+    away from zero, qformat's ``torch.round`` to even (seen: 54 of 884736 elements of the tiny model, all ties)."""
+    from picompile.formats.gguf_export import quantize_gguf
+    from picompile.kernels.qformat import QFormat, dequantize, quantize
+
+    exe = _llama_quantize()
+    assert exe is not None
+    out = quantize_gguf(tiny_gguf["f16"], tmp_path / f"tiny-{qtype}.gguf", qtype, exe)
+    reader = gguf.GGUFReader(out)
+    assert reader.fields["general.file_type"].contents() == (7 if qtype == "q8_0" else 2)
+    tensors = {t.name: t for t in reader.tensors}
+    f16 = {t.name: t for t in gguf.GGUFReader(tiny_gguf["f16"]).tensors}
+    want_type = gguf.GGMLQuantizationType.Q8_0 if qtype == "q8_0" else gguf.GGMLQuantizationType.Q4_0
+    fmt = QFormat("int8" if qtype == "q8_0" else "int4")
+    for name in ("blk.0.ffn_up.weight", "blk.1.ffn_down.weight", "blk.0.attn_q.weight"):
+        t = tensors[name]
+        assert t.tensor_type == want_type, name
+        got = gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1, int(t.shape[0]))  # [rows, cols]
+        w = torch.from_numpy(np.asarray(f16[name].data, dtype=np.float32).reshape(got.shape))
+        q, scales = quantize(w, fmt)
+        ref = dequantize(q, scales).numpy()
+        step = np.abs(np.repeat(scales.float().numpy(), fmt.block, axis=1))  # one quant step, per element
+        off = np.abs(got - ref)
+        assert (off <= step * 1.001).all(), name  # never more than one step apart
+        assert (off > 0).mean() < 1e-3, (name, int((off > 0).sum()))  # and that rarely

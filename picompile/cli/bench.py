@@ -9,7 +9,7 @@ from typing import Any
 from picompile.cli.common import nonnegative_int, positive_int
 from picompile.tools import bench
 from picompile.tools.bench_report import print_report
-from picompile.tools.engines import GGUF_TYPES
+from picompile.tools.llama_bench import BUILD_COMMAND, GGUF_TYPES
 
 
 def add_parser(sub: Any) -> None:
@@ -23,13 +23,21 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--no-dense-artifact", action="store_true", help="skip the load(dense=True) column")
     p.add_argument("--no-extras", action="store_true", help="skip ONNX Runtime and llama.cpp")
+    p.add_argument("--no-onnxruntime", action="store_true", help="skip ONNX Runtime (keep the other extras)")
+    p.add_argument("--llama-bench", metavar="PATH|auto",
+                   help="time llama.cpp with its own llama-bench (tg and pp, -t = --threads), interleaved with the "
+                        f"other engines; 'auto': the pinned build in the cache ({BUILD_COMMAND})")
+    p.add_argument("--llama-cpp-python", action="store_true",
+                   help="also run llama.cpp through llama-cpp-python once, for its greedy tokens (not timed)")
     p.add_argument("--gguf", metavar="FILE|auto",
-                   help="GGUF of the same weights for the llama.cpp column; 'auto' converts the artifact's source "
-                        "checkpoint (cached under <cache>/gguf; needs picompile[bench])")
+                   help="the llama.cpp engines' weights (default auto: the artifact's source checkpoint converted "
+                        "at --gguf-type, cached under <cache>/gguf; needs the gguf package)")
     p.add_argument("--gguf-type", choices=GGUF_TYPES,
-                   help="weight type of --gguf auto's conversion and llama.cpp's KV cache (default: the artifact's, "
-                        "f16 for --weight-dtype float16 builds, else f32)")
+                   help="precision of the auto GGUF (default the artifact's: float32 f32, float16 f16, int8 q8_0, "
+                        "int4 q4_0; q8_0/q4_0 made from the f16 file by the build's llama-quantize)")
     p.add_argument("--copy-mib", type=positive_int, default=256, metavar="MIB", help="bandwidth copy buffer (default 256)")
+    p.add_argument("--read-mib", type=positive_int, default=512, metavar="MIB",
+                   help="read-bandwidth buffer (default 512); its bandwidth gives the bounds")
     p.add_argument("--compile", action="store_true",
                    help="also run the step through torch.compile (load(compile=True)); the ratios are then the "
                         "compiled step's, the eager one stays beside it")
@@ -48,8 +56,10 @@ def cmd(args: argparse.Namespace) -> int:
     with err.status("benchmarking") as status:
         result = bench.run_bench(args.artifact, args.tokens, args.prompt_len, args.repeats, args.threads,
                            dense_artifact=not args.no_dense_artifact, extras=not args.no_extras,
-                           gguf=args.gguf, gguf_type=args.gguf_type, copy_mib=args.copy_mib,
-                           mask_tokens=args.mask_tokens, compile=args.compile, prefill_dtype=args.prefill_dtype,
+                           llama_bench=args.llama_bench, llama_cpp_python=args.llama_cpp_python,
+                           gguf=args.gguf, gguf_type=args.gguf_type, copy_mib=args.copy_mib, read_mib=args.read_mib,
+                           onnxruntime=not args.no_onnxruntime, mask_tokens=args.mask_tokens, compile=args.compile,
+                           prefill_dtype=args.prefill_dtype,
                            emit=lambda s: status.update(s))
     if args.json:
         sys.stdout.write(json.dumps(result) + "\n")

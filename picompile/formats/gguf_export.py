@@ -4,8 +4,10 @@
     export_gguf(Path("ckpt"), Path("model.gguf"), outtype="f16")
     python -m picompile.formats.gguf_export CKPT OUT --outtype f16
 
-Used by ``picompile bench --gguf auto`` to run llama.cpp (``llama-cpp-python``) as a dense baseline on
-the very weights an artifact was built from. Needs the optional ``gguf`` package
+Used by ``picompile bench`` to run llama.cpp (its native ``llama-bench``; ``llama-cpp-python`` for greedy
+tokens) as a dense baseline on the very weights an artifact was built from. q8_0 / q4_0 files are not
+written here: :func:`quantize_gguf` makes them from the f16 file with llama.cpp's own ``llama-quantize``
+(built by ``benchmarks/build_llama_cpp.py``), as llama.cpp's users make them. Needs the optional ``gguf`` package
 (``pip install 'picompile[bench]'``); nothing else in picompile imports this module.
 
 What is written (the ``llama`` architecture, as llama.cpp's ``convert_hf_to_gguf.py`` writes it):
@@ -359,6 +361,40 @@ def export_gguf(checkpoint_dir: Path, out: Path, outtype: str = "f16", *,
     try:
         _write(tmp, hp, tensors, outtype, emit)
         tmp.chmod(0o644)  # mkstemp made it private
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+QUANT_TYPES: dict[str, str] = {"q8_0": "Q8_0", "q4_0": "Q4_0"}  # GGUF type -> llama-quantize's name for it
+
+
+def quantize_gguf(src: Path, out: Path, qtype: str, llama_quantize: Path, timeout_s: float = 3600.0) -> Path:
+    """``llama-quantize SRC OUT Q8_0|Q4_0``: the f16/f32 GGUF ``src`` quantized the way llama.cpp's users do it
+    (its default choices per tensor, e.g. a higher-precision output layer for Q4_0); ``out`` appears atomically.
+
+    A PicompileError names a bad ``qtype``, a missing ``src`` or the tool's last error line.
+    """
+    import subprocess
+
+    if qtype not in QUANT_TYPES:
+        raise PicompileError(f"quantized GGUF type must be one of {', '.join(QUANT_TYPES)}, got {qtype!r}")
+    src, out = Path(src), Path(out)
+    if not src.is_file():
+        raise PicompileError(f"GGUF file {src} does not exist")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.partial")
+    try:
+        try:
+            proc = subprocess.run([str(llama_quantize), str(src), str(tmp), QUANT_TYPES[qtype]], capture_output=True,
+                                  text=True, timeout=timeout_s)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise PicompileError(f"could not run {llama_quantize}: {e}") from None
+        if proc.returncode != 0 or not tmp.is_file():
+            last = ((proc.stderr + proc.stdout).strip().splitlines() or ["(no output)"])[-1]
+            raise PicompileError(f"llama-quantize {qtype} of {src.name} failed (exit {proc.returncode}): {last}")
+        tmp.chmod(0o644)
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)

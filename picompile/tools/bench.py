@@ -11,15 +11,16 @@ Every engine runs on the same prompt (seeded random token ids) and decodes greed
                        eager, a manual prefill + decode loop with its KV cache, ``torch.inference_mode()``,
                        in a process of its own (``picompile/tools/engine_worker.py``: the user's OpenMP settings,
                        not the PASSIVE wait policy picompile sets for itself, which slows eager PyTorch ~8 %);
-* optional extras, skipped with a printed reason when not installed: ONNX Runtime on the same weights
-  (``picompile.tools.ort_reference.OrtDenseSession``) and llama.cpp (``llama_cpp`` with a GGUF given by ``--gguf``;
-  ``--gguf auto`` converts the source checkpoint with ``picompile.formats.gguf_export`` into
-  ``<cache>/gguf/NAME-TYPE.gguf``, reused while newer than the checkpoint; ``--gguf-type`` f32 (default,
-  as the artifact's weights) or f16; ``pip install 'picompile[bench]'``). llama.cpp runs the same thread
-  count as the other engines, its KV cache in the ``--gguf-type``, in a process of its own
-  (``picompile/tools/engine_worker.py``) with the user's OpenMP settings rather than this process's PASSIVE. Its ``llama`` architecture computes
-  SiLU in the FFN whatever the checkpoint's activation: for a ReLU model it is a dense-speed baseline
-  (same weights, bytes and FLOPs per token), not the same outputs.
+* optional extras, skipped with a printed reason when not installed or not asked for: ONNX Runtime on the
+  same weights (``picompile.tools.ort_reference.OrtDenseSession``; ``onnxruntime=False`` skips it) and
+  llama.cpp measured by its own ``llama-bench`` (``llama_bench=PATH|"auto"``, :mod:`picompile.tools.llama_bench`:
+  one ``llama-bench -m GGUF -t THREADS -p PROMPT_LEN -n TOKENS -r 1 -o json`` per round, its pp rate as prefill,
+  its tg rate as decode) on a GGUF of the same weights at the artifact's precision (``gguf``: a file, or
+  None / "auto": the source checkpoint converted into ``<cache>/gguf/NAME-TYPE.gguf``; ``gguf_type`` overrides
+  the precision). Its ``llama`` architecture computes SiLU in the FFN whatever the checkpoint's activation: for
+  a ReLU model it is a dense-speed baseline (same weights, bytes and FLOPs per token), not the same outputs.
+  ``llama_cpp_python=True`` runs the GGUF once through llama-cpp-python after the rounds, for its greedy
+  tokens only (not timed).
 
 Rounds are interleaved (A B C, then C B A, …; ``--repeats`` rounds after one untimed warm-up round),
 so load from other processes hits every engine alike; rates are medians over rounds (each engine's best
@@ -30,9 +31,11 @@ Bytes per token: the weight bytes one decode step reads, from the loaded graph: 
 reads in full (attention, norms, predictors, lm_head), one embedding row, and of each FFN the rows of
 the neurons computed: the mask counts measured on a separate decode of the same prompt (fallback: the
 manifest's per-layer ``predicted_active``), plus the KV cache read at the mean decode position. The
-bound is the memory bandwidth divided by it; the bandwidth is ``dst.copy_(src)`` of a buffer much
-larger than the caches, measured once per round (read + write bytes / time, median) — the convention
-of ``benchmarks/kernels.py``.
+bound is the read bandwidth divided by it: ``buf.sum()`` over a buffer much larger than the caches
+(``read_mib``), bytes / time, measured once per round (median); a decode step reads and hardly writes. The
+copy bandwidth (``dst.copy_(src)``, read + write, the convention of ``benchmarks/kernels.py``) is reported
+beside it. llama.cpp's bytes per token are its GGUF's, dense (:func:`picompile.tools.llama_bench.gguf_bytes_per_token`),
+over the same read bandwidth.
 
 The engines are :mod:`picompile.tools.engines`; the byte accounting :mod:`picompile.tools.traffic`.
 """
@@ -41,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import statistics
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -49,7 +53,6 @@ import torch
 
 from picompile.errors import PicompileError
 from picompile.tools.engines import (
-    GGUF_TYPES,
     Engine,
     WorkerEngine,
     compiled_view,
@@ -58,6 +61,7 @@ from picompile.tools.engines import (
     ort_engine,
     session_engine,
 )
+from picompile.tools.llama_bench import GGUF_TYPES, find_tool, gguf_bytes_per_token, gguf_type_for, llama_bench_engine, peer_gguf
 from picompile.tools.traffic import copy_bandwidth, kv_bytes, manifest_active, measured_active, weight_bytes
 
 REQUIRED_KEYS: tuple[str, ...] = (
@@ -66,7 +70,7 @@ REQUIRED_KEYS: tuple[str, ...] = (
     "bytes_per_token", "bound_tokens_per_s", "bandwidth_gbs",
 )
 
-OPTIONAL: tuple[str, ...] = ("onnxruntime", "llama.cpp")  # engines whose failure only skips them
+OPTIONAL: tuple[str, ...] = ("onnxruntime", "llama-bench")  # engines whose failure only skips them
 
 Emit = Callable[[str], None]
 
@@ -80,28 +84,39 @@ class BenchOptions:
     repeats: int  # timed interleaved rounds
     threads: int | None  # None: the physical cores
     dense_artifact: bool  # the load(dense=True) column
-    extras: bool  # ONNX Runtime and llama.cpp
-    gguf: Path | str | None  # "auto": convert the source checkpoint
-    gguf_type: str | None  # None: the artifact's weight type
+    extras: bool  # ONNX Runtime and (when asked for) llama.cpp
+    llama_bench: Path | str | None  # llama.cpp's own llama-bench: a path, "auto" (the cached build) or None (off)
+    llama_cpp_python: bool  # llama.cpp through llama-cpp-python, for its greedy tokens (not timed)
+    gguf: Path | str | None  # the llama.cpp engines' weights; None or "auto": converted from the source checkpoint
+    gguf_type: str | None  # None: the artifact's weight precision (float16 -> f16, int8 -> q8_0, ...)
     copy_mib: int  # bandwidth copy buffer
+    read_mib: int  # read-bandwidth buffer (the bound's bandwidth)
     seed: int  # of the prompt
     mask_tokens: int  # decode steps whose masks are counted (0: the manifest's figures)
     compile: bool
     prefill_dtype: str | None
+    onnxruntime: bool = True  # with extras: ONNX Runtime too
 
     def checked(self) -> "BenchOptions":
         """These options with the thread count resolved; a PicompileError names the first bad one."""
         if self.tokens < 1 or self.prompt_len < 1 or self.repeats < 1:
             raise PicompileError(f"--tokens, --prompt-len and --repeats must be >= 1, got {self.tokens}, "
                                  f"{self.prompt_len}, {self.repeats}")
-        if self.copy_mib < 1:
-            raise PicompileError(f"--copy-mib must be >= 1, got {self.copy_mib}")
+        if self.copy_mib < 1 or self.read_mib < 1:
+            raise PicompileError(f"--copy-mib and --read-mib must be >= 1, got {self.copy_mib}, {self.read_mib}")
         if self.gguf_type is not None and self.gguf_type not in GGUF_TYPES:
             raise PicompileError(f"--gguf-type must be one of {', '.join(GGUF_TYPES)}, got {self.gguf_type!r}")
         threads = self.threads or _default_threads()
         if threads < 1:
             raise PicompileError(f"--threads must be >= 1, got {threads}")
-        return dataclasses.replace(self, threads=threads)
+        llama_bench = self.llama_bench
+        if llama_bench is not None and self.extras:  # asked for by name: missing is an error, before any loading
+            from picompile.config import default_cache_dir
+
+            llama_bench = find_tool(llama_bench, "llama-bench", default_cache_dir())
+        if self.gguf not in (None, "auto") and not Path(self.gguf).is_file():
+            raise PicompileError(f"--gguf {self.gguf}: no such file")
+        return dataclasses.replace(self, threads=threads, llama_bench=llama_bench)
 
 
 @dataclass
@@ -113,9 +128,11 @@ class Lineup:
     dense_session: Any | None  # load(dense=True) sharing the weights (--no-dense-artifact: None)
     low: Any | None  # the step with the prompt's GEMMs in --prefill-dtype
     source: str  # the HF checkpoint the artifact was built from
-    gguf_type: str  # llama.cpp's weight and KV-cache type
+    gguf_type: str  # llama.cpp's weight type (the artifact's precision unless --gguf-type)
     engines: list[Engine]
     skipped: dict[str, str]  # optional engine -> why it is not timed
+    gguf: Path | None = None  # the llama.cpp engines' GGUF, once made
+    text_peer: Engine | None = None  # llama-cpp-python, run once after the rounds for its greedy tokens
 
 
 @dataclass
@@ -140,18 +157,22 @@ def run_bench(
     *,
     dense_artifact: bool = True,
     extras: bool = True,
+    llama_bench: Path | str | None = None,
+    llama_cpp_python: bool = False,
     gguf: Path | str | None = None,
     gguf_type: str | None = None,
     copy_mib: int = 256,
+    read_mib: int = 512,
     seed: int = 0,
     mask_tokens: int = 8,
     compile: bool = False,
     prefill_dtype: str | None = None,
+    onnxruntime: bool = True,
     emit: Emit = lambda s: None,
 ) -> dict[str, Any]:
     """Measure ``artifact`` against dense PyTorch eager; return the result dict (see the module doc)."""
-    opts = BenchOptions(tokens, prompt_len, repeats, threads, dense_artifact, extras, gguf, gguf_type, copy_mib, seed,
-                        mask_tokens, compile, prefill_dtype).checked()
+    opts = BenchOptions(tokens, prompt_len, repeats, threads, dense_artifact, extras, llama_bench, llama_cpp_python, gguf,
+                        gguf_type, copy_mib, read_mib, seed, mask_tokens, compile, prefill_dtype, onnxruntime).checked()
     load_before = os.getloadavg()
     lineup = _lineup(artifact, opts, emit)
     gen = torch.Generator().manual_seed(opts.seed)
@@ -160,7 +181,8 @@ def run_bench(
     traffic = _traffic(lineup, prompt, opts, emit)
     rates = {eng.name: eng.rates(opts.prompt_len, opts.tokens) for eng in lineup.engines}
     result = _result(artifact, opts, lineup, rates, bandwidth, failed, traffic, load_before[0])
-    return _with_variants(result, opts, lineup, rates, prompt)
+    result = _with_variants(result, opts, lineup, rates, prompt)
+    return _with_llama_cpp(result, opts, lineup, rates, prompt, emit)
 
 
 def _lineup(artifact: str | Path, opts: BenchOptions, emit: Emit) -> Lineup:
@@ -173,7 +195,10 @@ def _lineup(artifact: str | Path, opts: BenchOptions, emit: Emit) -> Lineup:
     session = picompile.load(artifact, hybrid="off")  # its byte and mask accounting reads the unscheduled parts
     compiled = compiled_view(session) if opts.compile else None
     manifest = session.manifest
-    gguf_type = opts.gguf_type or ("f16" if manifest.weights.get("dtype") == "float16" else "f32")  # as the artifact
+    try:
+        gguf_type = opts.gguf_type or gguf_type_for(str(manifest.weights.get("dtype", "float32")))  # as the artifact
+    except PicompileError:
+        gguf_type = "f16"  # a precision llama.cpp has no type for: its usual one, and the report says so
     source = _check_session(session, opts)
     emit(f"loading the PyTorch baseline {source} (in a process of its own)")
     pt_worker = WorkerEngine.start("pytorch", source, opts.threads)
@@ -228,30 +253,99 @@ def _picompile_engines(lineup: Lineup, opts: BenchOptions) -> None:
 
 
 def _extra_engines(lineup: Lineup, opts: BenchOptions, emit: Emit) -> None:
-    """ONNX Runtime and llama.cpp where they can start; the reason each other one is skipped."""
+    """ONNX Runtime, and llama.cpp where asked for, where they can start; the reason each other one is skipped."""
     from picompile.config import default_cache_dir
 
     assert opts.threads is not None
     threads = opts.threads
-    makers: tuple[tuple[str, Callable[[], Engine | str]], ...] = (
-        ("onnxruntime", lambda: ort_engine(lineup.source, default_cache_dir(), threads)),
-        ("llama.cpp", lambda: llama_cpp_engine(opts.gguf, opts.prompt_len + opts.tokens + 8, threads,
-                                               source=lineup.source, gguf_type=lineup.gguf_type, emit=emit)),
-    )
-    for name, made in makers:
-        emit(f"setting up {name}")
-        eng = made()
-        if isinstance(eng, str):
-            lineup.skipped[name] = eng
+    eng = ort_engine(lineup.source, default_cache_dir(), threads) if opts.onnxruntime else "--no-onnxruntime"
+    if isinstance(eng, str):
+        lineup.skipped["onnxruntime"] = eng
+    else:
+        lineup.engines.append(eng)
+    if opts.llama_bench is None:
+        lineup.skipped["llama-bench"] = ("not asked for: --llama-bench auto runs llama.cpp's own benchmark (built by "
+                                         "benchmarks/build_llama_cpp.py) on the same weights at the same precision")
+    if opts.llama_bench is None and not opts.llama_cpp_python:
+        return
+    gguf = _peer_gguf(lineup, opts, emit)
+    if isinstance(gguf, str):
+        if opts.llama_bench is not None:
+            lineup.skipped["llama-bench"] = gguf
+        if opts.llama_cpp_python:
+            lineup.skipped["llama-cpp-python"] = gguf
+        return
+    lineup.gguf = gguf
+    if opts.llama_bench is not None:
+        lineup.engines.append(llama_bench_engine(Path(opts.llama_bench), gguf, lineup.gguf_type, threads,
+                                                 opts.prompt_len, opts.tokens, info=_peer_info(lineup)))
+    if opts.llama_cpp_python:
+        emit("setting up llama-cpp-python (greedy tokens only)")
+        text = llama_cpp_engine(gguf, opts.prompt_len + opts.tokens + 8, threads, gguf_type=lineup.gguf_type)
+        if isinstance(text, str):
+            lineup.skipped["llama-cpp-python"] = text
         else:
-            lineup.engines.append(eng)
+            lineup.text_peer = text
 
 
-def _rounds(engines: list[Engine], prompt: list[int], opts: BenchOptions, emit: Emit) -> tuple[list[float], dict[str, str]]:
-    """One untimed warm-up round, then ``repeats`` interleaved timed rounds, each followed by a bandwidth
-    sample: (the samples in bytes/s, optional engine -> why it failed; failed engines leave ``engines``)."""
+def _peer_gguf(lineup: Lineup, opts: BenchOptions, emit: Emit) -> Path | str:
+    """The llama.cpp engines' GGUF: --gguf FILE as given, else the source checkpoint converted (cached) at
+    ``lineup.gguf_type``; or why there is none."""
+    from picompile.config import default_cache_dir
+
+    if opts.gguf not in (None, "auto"):
+        return Path(str(opts.gguf))
+    cache = default_cache_dir()
+    try:
+        return peer_gguf(lineup.source, lineup.gguf_type, cache,
+                         lambda: find_tool(Path(opts.llama_bench).with_name("llama-quantize") if opts.llama_bench
+                                           else "auto", "llama-quantize", cache), emit)
+    except PicompileError as e:
+        return str(e)
+
+
+def _peer_info(lineup: Lineup) -> dict[str, Any]:
+    """What the report says about llama.cpp's side: the precision match and the FFN activation it computes."""
+    import json
+
+    dtype = str(lineup.session.manifest.weights.get("dtype", "float32"))
+    try:
+        act = str(json.loads((Path(lineup.source) / "config.json").read_text()).get("hidden_act", "silu"))
+    except (OSError, ValueError):
+        act = "unknown"
+    try:
+        same = gguf_type_for(dtype) == lineup.gguf_type
+    except PicompileError:
+        same = False
+    return {"artifact_weight_dtype": dtype, "same_precision": same, "source_activation": act,
+            "ffn_activation": "silu (llama.cpp's llama architecture hard-codes it)"}
+
+
+@dataclass
+class Bandwidth:
+    """Samples (bytes/s), one per round: read only (the bound's) and copy (read + write)."""
+
+    read: list[float]
+    copy: list[float]
+
+
+def read_bandwidth(buf: torch.Tensor, tries: int = 3) -> float:
+    """Bytes per second of ``buf.sum()`` (a read of every byte, nothing written): the best of ``tries``. A decode
+    step reads its weights and writes almost nothing, so this, not the copy's read + write, is its bound."""
+    best = 0.0
+    for _ in range(max(1, tries)):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = max(best, buf.numel() * buf.element_size() / (time.perf_counter() - t0))
+    return best
+
+
+def _rounds(engines: list[Engine], prompt: list[int], opts: BenchOptions, emit: Emit) -> tuple[Bandwidth, dict[str, str]]:
+    """One untimed warm-up round, then ``repeats`` interleaved timed rounds, each followed by a read and a copy
+    bandwidth sample: (the samples, optional engine -> why it failed; failed engines leave ``engines``)."""
     src = torch.ones(opts.copy_mib << 18)  # float32: copy_mib MiB
     dst = torch.zeros_like(src)
+    buf = torch.ones(opts.read_mib << 18)  # float32: read_mib MiB
     failed: dict[str, str] = {}
 
     def run(eng: Engine, n: int, record: bool = True) -> None:
@@ -267,13 +361,15 @@ def _rounds(engines: list[Engine], prompt: list[int], opts: BenchOptions, emit: 
     for eng in list(engines):
         run(eng, min(opts.tokens, 2), record=False)
     copy_bandwidth(src, dst)
-    bandwidth: list[float] = []
+    read_bandwidth(buf)
+    bandwidth = Bandwidth([], [])
     for r in range(opts.repeats):
         emit(f"round {r + 1}/{opts.repeats}")
         for eng in list(engines if r % 2 == 0 else engines[::-1]):
             run(eng, opts.tokens)
-        bandwidth.append(copy_bandwidth(src, dst))
-    del src, dst
+        bandwidth.read.append(read_bandwidth(buf))
+        bandwidth.copy.append(copy_bandwidth(src, dst))
+    del src, dst, buf
     return bandwidth, failed
 
 
@@ -292,7 +388,7 @@ def _traffic(lineup: Lineup, prompt: list[int], opts: BenchOptions, emit: Emit) 
 
 # -- the result ------------------------------------------------------------------------------------
 def _result(artifact: str | Path, opts: BenchOptions, lineup: Lineup, rates: dict[str, tuple[float, float]],
-            bandwidth: list[float], failed: dict[str, str], traffic: Traffic, load_before: float) -> dict[str, Any]:
+            bandwidth: Bandwidth, failed: dict[str, str], traffic: Traffic, load_before: float) -> dict[str, Any]:
     """The result dict (its keys in report order) without the optional columns' keys; ``rates``: per engine,
     (prefill, decode) tokens/s; ``load_before``: the load average when the run began."""
     engines, manifest = lineup.engines, lineup.session.manifest
@@ -309,7 +405,8 @@ def _result(artifact: str | Path, opts: BenchOptions, lineup: Lineup, rates: dic
         "prefill_tokens_per_s": pf,
         "dense_prefill_tokens_per_s": dpf,
         "prefill_speedup": pf / dpf,
-        **_bytes_fields(traffic, statistics.median(bandwidth)),
+        **_bytes_fields(traffic, statistics.median(bandwidth.read)),
+        "copy_bandwidth_gbs": statistics.median(bandwidth.copy) / 1e9,
         "engines": {eng.name: _engine_row(eng, rates[eng.name], opts, dpf, ddc) for eng in engines},
         "best_decode_speedup": min(pytorch.decode_s) / min(engines[0].decode_s),
         "skipped": {**lineup.skipped, **{k: f"failed: {v}" for k, v in failed.items()}},
@@ -318,12 +415,13 @@ def _result(artifact: str | Path, opts: BenchOptions, lineup: Lineup, rates: dic
         "prompt_len": opts.prompt_len,
         "repeats": opts.repeats,
         "threads": opts.threads,
-        "gguf": str(opts.gguf) if opts.gguf is not None else None,  # as given; the file used: engines["llama.cpp"]["gguf"]
+        "gguf": str(lineup.gguf) if lineup.gguf is not None else None,  # the llama.cpp engines' file
         "gguf_type": lineup.gguf_type,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "compiled": opts.compile,
         "kernels": bool(manifest.sections.get("kernels")),
-        "bandwidth_samples_gbs": [b / 1e9 for b in bandwidth],
+        "bandwidth_samples_gbs": [b / 1e9 for b in bandwidth.read],
+        "copy_bandwidth_samples_gbs": [b / 1e9 for b in bandwidth.copy],
         "load_average": [load_before, os.getloadavg()[0]],
         "target": manifest.target.get("name"),
         "predictor": manifest.build.get("predictor"),
@@ -384,13 +482,43 @@ def _with_variants(result: dict[str, Any], opts: BenchOptions, lineup: Lineup, r
         result["low_prefill_speedup"] = result["low_prefill_tokens_per_s"] / dpf
         result["low_prefill_logits"] = logits_agreement(compiled if compiled is not None else lineup.session,
                                                         lineup.low, prompt)
-    if "llama.cpp" in rates:
-        result["llama_cpp_decode_tokens_per_s"] = rates["llama.cpp"][1]
-        result["decode_vs_llama_cpp"] = dc / rates["llama.cpp"][1]
     if opts.dense_artifact:
         apf, adc = rates["picompile-dense"]
         result["artifact_dense_decode_tokens_per_s"] = adc
         result["artifact_dense_prefill_tokens_per_s"] = apf
+    return result
+
+
+def _with_llama_cpp(result: dict[str, Any], opts: BenchOptions, lineup: Lineup, rates: dict[str, tuple[float, float]],
+                    prompt: list[int], emit: Emit) -> dict[str, Any]:
+    """``result`` plus llama.cpp's side: llama-bench's rates, the ratios picompile / llama.cpp, its bytes per
+    token and bound (dense, its GGUF, KV at llama-bench's tg positions), and llama-cpp-python's greedy tokens."""
+    pf, dc = result["prefill_tokens_per_s"], result["decode_tokens_per_s"]
+    result["bound_share"] = dc / result["bound_tokens_per_s"]
+    if "llama-bench" in rates and lineup.gguf is not None:
+        lpf, ldc = rates["llama-bench"]
+        peer = gguf_bytes_per_token(lineup.gguf, (opts.tokens - 1) / 2)  # tg from an empty context (depth 0)
+        bound = result["bandwidth_gbs"] * 1e9 / peer["total"]
+        result.update({
+            "llama_cpp_prefill_tokens_per_s": lpf, "llama_cpp_decode_tokens_per_s": ldc,
+            "prefill_vs_llama_cpp": pf / lpf, "decode_vs_llama_cpp": dc / ldc,
+            "llama_cpp_gguf_type": lineup.gguf_type,
+            "llama_cpp_bytes_per_token": peer["total"], "llama_cpp_kv_bytes_per_token": peer["kv"],
+            "llama_cpp_bound_tokens_per_s": bound, "llama_cpp_bound_share": ldc / bound,
+        })
+    if lineup.text_peer is not None:
+        emit("llama-cpp-python: greedy tokens")
+        try:
+            lineup.text_peer.run(prompt, opts.tokens)
+        except Exception as e:  # an optional extra never fails the benchmark
+            result["skipped"]["llama-cpp-python"] = f"failed: {type(e).__name__}: {e}"
+        else:
+            head = lineup.engines[0]
+            result["llama_cpp_python"] = {
+                "label": lineup.text_peer.label, "gguf": str(lineup.gguf),
+                "same_tokens_as_picompile": _common_prefix(head.tokens, lineup.text_peer.tokens),
+                "same_tokens_as_pytorch": _common_prefix(_by_name(lineup.engines, "pytorch").tokens,
+                                                         lineup.text_peer.tokens)}
     return result
 
 

@@ -42,12 +42,7 @@ def _notes(result: dict[str, Any]) -> list[str]:
     """The report's lines under the table (rich markup), in order."""
     from rich.markup import escape
 
-    lines = []
-    lcpp = result["engines"].get("llama.cpp")
-    if lcpp:
-        lines.append(f"[dim]llama.cpp: {escape(lcpp['gguf'])} (weights {lcpp['gguf_file_type']}, KV cache "
-                     f"{lcpp['kv_type']}); its llama architecture computes SiLU in the FFN: a dense-speed baseline "
-                     "on the same weights (same bytes and FLOPs per token), not the same outputs[/dim]")
+    lines = _llama_cpp_notes(result)
     lines += [_bytes_note(result), _bound_note(result)]
     if result.get("prefill_dtype"):
         agree = result["low_prefill_logits"]
@@ -82,6 +77,39 @@ def _bytes_note(result: dict[str, Any]) -> str:
 
 
 def _bound_note(result: dict[str, Any]) -> str:
-    return (f"copy bandwidth {result['bandwidth_gbs']:.2f} GB/s → bound {result['bound_tokens_per_s']:.2f} tok/s "
+    copy = f" (copy {result['copy_bandwidth_gbs']:.2f} GB/s, read + write)" if "copy_bandwidth_gbs" in result else ""
+    line = (f"read bandwidth {result['bandwidth_gbs']:.2f} GB/s{copy} → bound {result['bound_tokens_per_s']:.2f} tok/s "
             f"(dense bound {result['dense_bound_tokens_per_s']:.2f}); picompile decode reaches "
             f"{result['decode_tokens_per_s'] / result['bound_tokens_per_s']:.0%} of its bound")
+    if "llama_cpp_bound_tokens_per_s" in result:
+        line += (f"; llama.cpp reads {_gb(result['llama_cpp_bytes_per_token'])}/token (its GGUF, dense) → bound "
+                 f"{result['llama_cpp_bound_tokens_per_s']:.2f} tok/s, its tg reaches "
+                 f"{result['llama_cpp_bound_share']:.0%}")
+    return line
+
+
+def _llama_cpp_notes(result: dict[str, Any]) -> list[str]:
+    """llama.cpp's side: what llama-bench ran on, the ratios picompile / llama.cpp, llama-cpp-python's tokens."""
+    from rich.markup import escape
+
+    lines = []
+    lb = result["engines"].get("llama-bench")
+    if lb and "decode_vs_llama_cpp" in result:
+        facts = lb.get("llama_bench_json") or {}
+        fa = {-1: "auto", 0: "off", 1: "on"}.get(facts.get("flash_attn"), str(facts.get("flash_attn", "?")))
+        build = f"build {str(facts.get('build_commit', '?'))[:10]}, flash attention {fa}"
+        precision = ("same precision as the artifact" if lb.get("same_precision")
+                     else f"the artifact's weights are {lb.get('artifact_weight_dtype')}")
+        act = lb.get("source_activation", "silu")
+        lines.append(f"picompile / llama.cpp: decode [bold]{result['decode_vs_llama_cpp']:.2f}x[/bold], prefill "
+                     f"[bold]{result['prefill_vs_llama_cpp']:.2f}x[/bold] (llama-bench tg{result['tokens']} from an "
+                     f"empty context, pp{result['prompt_len']})")
+        lines.append(escape(f"llama.cpp: {lb['command']} ({build}); weights {lb['gguf_type']}, {precision}")
+                     + ("" if act == "silu" else escape(f"; its llama architecture computes SiLU in the FFN, this "
+                        f"checkpoint {act}: a dense-speed baseline of the same shape and bytes, not the same outputs")))
+    text = result.get("llama_cpp_python")
+    if text:
+        lines.append(escape(f"llama-cpp-python ({text['gguf']}, not timed): greedy tokens equal to picompile's: first "
+                            f"{text['same_tokens_as_picompile']} of {result['tokens'] + 1}, to PyTorch's: first "
+                            f"{text['same_tokens_as_pytorch']}"))
+    return lines

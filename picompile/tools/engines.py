@@ -3,7 +3,9 @@
 :class:`Engine` is one way of running the model; the makers here build them: a picompile session
 (:func:`session_engine`, with :func:`dense_view` / :func:`compiled_view` of the same weights), HF eager
 PyTorch (:func:`pytorch_engine`, run in a child process by :class:`WorkerEngine`), ONNX Runtime
-(:func:`ort_engine`) and llama.cpp (:func:`llama_cpp_engine`, a GGUF converted once by :func:`auto_gguf`).
+(:func:`ort_engine`) and llama.cpp through llama-cpp-python (:func:`llama_cpp_engine`, a GGUF converted once by
+:func:`auto_gguf`; for its greedy tokens: llama.cpp's speed is measured by its own ``llama-bench``,
+:mod:`picompile.tools.llama_bench`, an engine that times itself).
 An optional engine that cannot start is returned as the reason (a string), never raised.
 """
 from __future__ import annotations
@@ -36,8 +38,16 @@ class Engine:
     decode_s: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)  # engine-specific facts for the result (e.g. the GGUF file)
+    # an engine that times itself (llama-bench): (prompt, n) -> (prefill seconds, decode seconds); no tokens
+    timed: Callable[[list[int], int], tuple[float, float]] | None = None
 
     def run(self, prompt: list[int], n: int, record: bool = True) -> None:
+        if self.timed is not None:
+            pf, dc = self.timed(prompt, n)
+            if record:
+                self.prefill_s.append(pf)
+                self.decode_s.append(dc)
+            return
         t0 = time.perf_counter()
         tok, state = self.prefill(prompt)
         t1 = time.perf_counter()
@@ -147,7 +157,7 @@ def ort_engine(source: str, cache_dir: Path, threads: int) -> Engine | str:
 
 
 GGUF_TYPES: tuple[str, ...] = ("f32", "f16")
-GGUF_FILE_TYPES: dict[int, str] = {0: "f32", 1: "f16", 32: "bf16"}  # general.file_type -> name
+GGUF_FILE_TYPES: dict[int, str] = {0: "f32", 1: "f16", 2: "q4_0", 7: "q8_0", 32: "bf16"}  # general.file_type -> name
 
 
 def _stale(out: Path, checkpoint_dir: Path) -> bool:
@@ -185,7 +195,7 @@ def llama_cpp_engine(gguf: Path | str | None, n_ctx: int, threads: int, *, sourc
                      cache_dir: Path | None = None, emit: Callable[[str], None] = lambda s: None) -> Engine | str:
     """llama.cpp through llama-cpp-python on a GGUF file (``"auto"``: see :func:`auto_gguf`), or the reason it is skipped.
 
-    ``threads`` for both decode and batch (prefill); the KV cache is ``gguf_type`` (f32 or f16).
+    ``threads`` for both decode and batch (prefill); the KV cache is f32 for ``gguf_type`` f32, else f16.
     """
     import importlib.util
 
@@ -204,7 +214,7 @@ def llama_cpp_engine(gguf: Path | str | None, n_ctx: int, threads: int, *, sourc
         gguf = made
     if not Path(gguf).is_file():
         return f"GGUF file {gguf} does not exist"
-    worker = WorkerEngine.start("llama.cpp", Path(gguf), n_ctx, threads, gguf_type)
+    worker = WorkerEngine.start("llama.cpp", Path(gguf), n_ctx, threads, "f32" if gguf_type == "f32" else "f16")
     if isinstance(worker, str):
         return f"llama.cpp could not load {gguf}: {worker}"
     file_type = str(worker.info.get("file_type", ""))
@@ -213,6 +223,19 @@ def llama_cpp_engine(gguf: Path | str | None, n_ctx: int, threads: int, *, sourc
     info = {"gguf": str(gguf), "gguf_file_type": ftype, "kv_type": gguf_type, "converted": converted,
             "ffn_activation": "silu (llama.cpp's llama architecture)"}
     return worker.engine("llama.cpp", label, info)
+
+
+def peer_env() -> dict[str, str]:
+    """This process's environment with the user's own ``OMP_WAIT_POLICY`` (picompile sets PASSIVE for itself;
+    the peers run as their users run them)."""
+    import picompile
+
+    env = dict(os.environ)
+    if picompile.USER_OMP_WAIT_POLICY is None:
+        env.pop("OMP_WAIT_POLICY", None)
+    else:
+        env["OMP_WAIT_POLICY"] = picompile.USER_OMP_WAIT_POLICY
+    return env
 
 
 class WorkerEngine:
@@ -241,13 +264,7 @@ class WorkerEngine:
         """Start the worker for ``kind`` ("llama.cpp" or "pytorch"); the reason as a string if it fails."""
         import subprocess
 
-        import picompile
-
-        env = dict(os.environ)
-        if picompile.USER_OMP_WAIT_POLICY is None:
-            env.pop("OMP_WAIT_POLICY", None)
-        else:
-            env["OMP_WAIT_POLICY"] = picompile.USER_OMP_WAIT_POLICY
+        env = peer_env()
         script = Path(__file__).with_name("engine_worker.py")
         proc = subprocess.Popen([sys.executable, "-P", str(script), kind, *map(str, args)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
