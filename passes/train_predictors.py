@@ -9,9 +9,10 @@ from picompile.context import BuildContext
 from picompile.errors import PassError
 from picompile.kernels import skips_inactive
 from picompile.sparsity.linear_predictor import candidate_ranks, fit_linear_predictor
-from picompile.ir.patterns import WEIGHT_DTYPES, decider_of, ffn_nodes
+from picompile.ir.patterns import WEIGHT_DTYPES, ffn_nodes
 from picompile.passes.registry import register_pass
 from picompile.sparsity.predictor import choose_ranks, rank_granularity, train_predictor
+from picompile.sparsity.widen import float32_decider
 
 
 @register_pass("train-predictors")
@@ -39,7 +40,7 @@ def train_predictors(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
         cal = ctx.calibration[layer.index]
         seed = cfg.seed + layer.index
         if cfg.predictor_kind == "linear":
-            margin = decider_of(gm, nodes[layer.index], cfg.act_criterion).margin(cal.x, cal.threshold)  # [N, n]
+            margin = float32_decider(gm, nodes[layer.index], cfg.act_criterion).margin(cal.x, cal.threshold)  # [N, n]
             # bytes a decode step reads per selected neuron beyond those of the firing ones (read at any rank):
             # one row where the kernel skips the rest of a neuron that does not fire, else all its rows
             kind = "ffn_gated" if layer.kind == "gated" else "ffn_relu"
