@@ -19,9 +19,8 @@ from picompile.context import BuildContext
 from picompile.errors import PassError
 from picompile.frontend.decoder import FlatDecoder, dynamic_shapes, example_inputs
 from picompile.ir.graph import flatten_codegen
+from picompile.ir.patterns import linear_parts
 from picompile.passes.registry import register_pass
-
-aten = torch.ops.aten
 
 
 def _stand_ins(model: torch.nn.Module) -> dict[int, torch.nn.Parameter]:
@@ -48,8 +47,8 @@ def _restore(model: torch.nn.Module, made: dict[int, torch.nn.Parameter]) -> Non
 
 
 def _only_linear_weight(node: fx.Node) -> bool:
-    return bool(node.users) and all(u.op == "call_function" and u.target is aten.linear.default and len(u.args) > 1
-                                    and u.args[1] is node and node not in u.args[2:] for u in node.users)
+    parts = [linear_parts(u) for u in node.users]
+    return bool(parts) and all(p is not None and p[1] is node and node is not p[0] and node is not p[2] for p in parts)
 
 
 def bind_stored(gm: fx.GraphModule, made: dict[int, torch.nn.Parameter], keep_stored: bool) -> dict[str, int]:

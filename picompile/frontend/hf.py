@@ -125,9 +125,9 @@ def model_from_tensors(config: Any, tensors: Mapping[str, torch.Tensor], where: 
     model.load_state_dict({k: v for k, v in tensors.items() if k in expected}, strict=False, assign=True)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
-    bound = {id(p) for p in (tensors[k] for k in tensors if k in expected)}
+    bound = {tensors[k].data_ptr() for k in tensors if k in expected}
     missing = [k for k, p in model.named_parameters(remove_duplicate=False) if k not in tensors
-               and not (getattr(config, "tie_word_embeddings", False) and id(p) in bound)]
+               and not (p.data_ptr() in bound and p.numel() > 0)]
     if missing:
         raise ModelLoadError(f"checkpoint {where} lacks weights for {len(missing)} tensors, e.g. {missing[:3]}")
     for p in model.parameters():
