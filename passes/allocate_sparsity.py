@@ -19,7 +19,7 @@ from picompile.ir.patterns import Decider, ffn_nodes
 from picompile.ir.schema import bind, call_args
 from picompile.passes.registry import register_pass
 from picompile.sparsity.profile_stats import LayerProfile
-from picompile.sparsity.widen import WideningInterpreter, float32_decider
+from picompile.sparsity.widen import WideningInterpreter, float32_decider, release_stored
 
 MAX_LAYER_SPARSITY = 0.95  # no layer is pushed past this share of inactive neurons
 
@@ -168,4 +168,5 @@ def allocate_sparsity(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
         "evaluations": len(cache),
     }
     update_counts(ctx.staging_dir / PROFILE_FILE, {info.index: ctx.calibration[info.index].profile for info in infos})
+    release_stored(gm)
     return gm

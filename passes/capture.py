@@ -21,6 +21,7 @@ from picompile.frontend.decoder import FlatDecoder, dynamic_shapes, example_inpu
 from picompile.ir.graph import flatten_codegen
 from picompile.ir.patterns import linear_parts
 from picompile.passes.registry import register_pass
+from picompile.sparsity.widen import release_stored
 
 
 def _stand_ins(model: torch.nn.Module) -> dict[int, torch.nn.Parameter]:
@@ -76,6 +77,7 @@ def capture(gm: fx.GraphModule | None, ctx: BuildContext) -> fx.GraphModule:
         raise PassError("capture must be the first pass of a pipeline")
     wrapper = FlatDecoder(ctx.model, ctx.info.n_layers).eval()
     ids, past = example_inputs(ctx.info)
+    release_stored()  # the frontend's first forward (KV shape) read every weight
     made = _stand_ins(ctx.model)
     try:
         with torch.no_grad():

@@ -10,11 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import fx
 
 from picompile.formats.archive import pin_serialization_id
 from picompile.formats.artifact import Manifest, write_manifest
+from picompile.formats.tensorfile import write_safetensors
 from picompile.formats.provenance import portable_model, portable_sections
 from picompile.context import BuildContext
 from picompile.frontend.decoder import dynamic_shapes, example_inputs
@@ -94,7 +94,7 @@ def package(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
     strip_build_metadata(ep)
     torch.export.save(ep, out / GRAPH_FILE)
     pin_serialization_id(out / GRAPH_FILE)
-    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    write_safetensors(out / WEIGHTS_FILE, tensors, metadata={"format": "pt"})  # tensor by tensor
     tokenizer = None
     if ctx.info.tokenizer is not None:
         from picompile.formats.tokenizers import load_tokenizer, save_tokenizer

@@ -19,7 +19,7 @@ from picompile.ir.patterns import ffn_nodes
 from picompile.ir.schema import bind
 from picompile.passes.registry import register_pass
 from picompile.sparsity.profile_stats import LayerProfile
-from picompile.sparsity.widen import WideningInterpreter, float32_decider
+from picompile.sparsity.widen import WideningInterpreter, float32_decider, release_stored
 
 @dataclass
 class LayerCalibration:
@@ -69,6 +69,7 @@ def profile_activations(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule
         prof = LayerProfile.from_mask(mask.numpy(), name=layer.module)
         ctx.calibration[layer.index] = LayerCalibration(x=x, mask=mask, threshold=threshold, profile=prof)
         layer.stats.update({"sparsity": prof.sparsity, "locality": prof.locality, "act_threshold": threshold})
+    release_stored(gm)  # the checkpoint's mapped pages this read leave this process's memory
     write_profile(ctx.staging_dir / PROFILE_FILE, {i: cal.profile for i, cal in ctx.calibration.items()}, int(ids.numel()))
     ctx.calibration_ids = ids
     ctx.manifest_extra["profile"] = {"file": PROFILE_FILE, "corpus": corpus, "n_tokens": int(ids.numel()),

@@ -12,7 +12,7 @@ from picompile.sparsity.linear_predictor import candidate_ranks, fit_linear_pred
 from picompile.ir.patterns import WEIGHT_DTYPES, ffn_nodes
 from picompile.passes.registry import register_pass
 from picompile.sparsity.predictor import choose_ranks, rank_granularity, train_predictor
-from picompile.sparsity.widen import float32_decider
+from picompile.sparsity.widen import float32_decider, release_stored
 
 
 @register_pass("train-predictors")
@@ -59,4 +59,5 @@ def train_predictors(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
             "recall": report.recall, "precision": report.precision,
             "predicted_active": report.predicted_active_fraction, "true_active": report.true_active_fraction,
         })
+    release_stored(gm)  # the decider rows read from a mapped checkpoint leave this process's memory
     return gm

@@ -8,8 +8,10 @@ with one tensor at a time held as a contiguous copy (none when it already is con
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import mmap
+import weakref
 from pathlib import Path
 from typing import Mapping
 
@@ -28,6 +30,9 @@ NAME_OF: dict[torch.dtype, str] = {dt: name for name, dt in DTYPE_ORDER}
 DTYPE_OF: dict[str, torch.dtype] = {name: dt for name, dt in DTYPE_ORDER}
 RANK_OF: dict[torch.dtype, int] = {dt: i for i, (_, dt) in enumerate(DTYPE_ORDER)}
 MAX_HEADER_BYTES: int = 100 << 20  # safetensors' own limit
+PAGE: int = mmap.PAGESIZE
+# the live mappings map_safetensors made: (start address, length, the mapping)
+_MAPPINGS: list[tuple[int, int, "weakref.ref[mmap.mmap]"]] = []
 
 
 class TensorFileError(PicompileError):
@@ -78,6 +83,9 @@ def map_safetensors(path: Path) -> dict[str, torch.Tensor]:
         if Path(path).stat().st_size == 0:
             return {}
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+    _MAPPINGS[:] = [m for m in _MAPPINGS if m[2]() is not None]
+    _MAPPINGS.append((base, len(mm), weakref.ref(mm)))
     tensors: dict[str, torch.Tensor] = {}
     for name, meta in header.items():
         dtype, shape = DTYPE_OF[str(meta["dtype"])], [int(s) for s in meta["shape"]]  # type: ignore[union-attr]
@@ -90,6 +98,26 @@ def map_safetensors(path: Path) -> dict[str, torch.Tensor]:
             flat = flat.clone()
         tensors[name] = flat.view(dtype).reshape(shape)
     return tensors
+
+
+def release_pages(tensors: "list[torch.Tensor] | None" = None) -> int:
+    """Drop the resident pages of mapped tensors (``None``: of every mapping) from this process's memory; the
+    data stays in the page cache and is read back from the file if used again (pages written to are kept).
+    Returns the bytes of the ranges released; tensors that are not mapped are left alone."""
+    released = 0
+    for base, length, ref in list(_MAPPINGS):
+        mm = ref()
+        if mm is None:
+            continue
+        ranges = [(0, length)] if tensors is None else [
+            (t.data_ptr() - base, t.numel() * t.element_size()) for t in tensors
+            if base <= t.data_ptr() < base + length and t.numel() > 0]
+        for off, n in ranges:
+            lo, hi = -(-off // PAGE) * PAGE, min(length, off + n) // PAGE * PAGE  # whole pages inside the range
+            if hi > lo:
+                mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+                released += hi - lo
+    return released
 
 
 def _order(tensors: Mapping[str, torch.Tensor]) -> list[str]:

@@ -9,7 +9,9 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.utils import _pytree as pytree
 
+from picompile.formats.tensorfile import release_pages
 from picompile.ir.patterns import Decider, decider_of
 
 
@@ -21,11 +23,18 @@ def widened(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 class WideningInterpreter(fx.Interpreter):
-    """An fx.Interpreter whose get_attr values are widened to float32 (freed after their last use)."""
+    """An fx.Interpreter that widens narrow floating tensor arguments to float32 for each call (the graph computes
+    in float32, so only stored weights are narrow): one widened copy at a time, freed when the call returns."""
 
-    def get_attr(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        value = super().get_attr(target, args, kwargs)
-        return widened(value) if isinstance(value, torch.Tensor) else value
+    def call_function(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        narrow = [a for a in pytree.tree_leaves((args, kwargs))
+                  if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype != torch.float32]
+        if not narrow:
+            return super().call_function(target, args, kwargs)
+        args, kwargs = pytree.tree_map_only(torch.Tensor, widened, (args, kwargs))
+        out = super().call_function(target, args, kwargs)
+        release_pages(narrow)  # a mapped weight's pages leave this process's memory until it is read again
+        return out
 
 
 def float32_decider(gm: fx.GraphModule, node: fx.Node, criterion: str = "gate") -> Decider:
@@ -37,3 +46,9 @@ def float32_decider(gm: fx.GraphModule, node: fx.Node, criterion: str = "gate") 
 def stored_narrow(gm: fx.GraphModule) -> bool:
     """Whether any weight of ``gm`` is stored narrower than float32."""
     return any(t.is_floating_point() and t.dtype != torch.float32 for t in (*gm.parameters(), *gm.buffers()))
+
+
+def release_stored(gm: fx.GraphModule | None = None) -> int:
+    """Drop the resident pages of mapped checkpoint tensors (all of them: ``gm`` is for the reader) after a pass
+    has read them: they stay in the page cache, out of this process's memory, until read again."""
+    return release_pages()
