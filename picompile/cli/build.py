@@ -57,6 +57,9 @@ def add_parser(sub: Any) -> None:
     b.add_argument("--placement-batch", type=positive_int, default=64, metavar="N", help="neurons per placement decision")
     b.add_argument("--min-layer-neurons", type=nonnegative_int, default=0, metavar="N",
                    help="a layer on the GPU holds at least N hot neurons (default 0 = off)")
+    b.add_argument("--max-memory", type=finite_float(0.0, 1e6, lo_open=True), metavar="GIB",
+                   help="memory budget of the build: refused before loading when the estimate from the model's config "
+                        "exceeds it (default: the memory this machine has available)")
     b.add_argument("--seed", type=seed_int, default=0)
     b.add_argument("--print-after", action="append", metavar="PASS", help="print the graph after PASS (repeatable; 'all')")
     b.add_argument("--dump-ir", metavar="DIR", help="write the graph after every pass to DIR/NNN_PASS.txt")
@@ -82,7 +85,7 @@ def cmd(args: argparse.Namespace) -> int:
         predictor_kind=args.predictor_kind,
         placement_batch=args.placement_batch, min_layer_neurons=args.min_layer_neurons, weight_dtype=args.weight_dtype, cpu_mcpu=args.cpu_mcpu,
         quant_block=args.quant_block,
-        predictor_dtype=args.predictor_dtype,
+        predictor_dtype=args.predictor_dtype, max_memory_gib=args.max_memory,
     )
     err = console()
     start = time.perf_counter()
@@ -118,6 +121,11 @@ def cmd(args: argparse.Namespace) -> int:
             times[current[0][0]] = time.perf_counter() - current[0][1]
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     if not args.quiet:
+        from picompile.tools.report import measured_line
+
         err.print(f"built [bold]{out}[/bold] for target {config.target} in {time.perf_counter() - start:.1f} s "
                   f"({size / 1e6:.2f} MB); passes: " + ", ".join(f"{k} {v:.1f}s" for k, v in times.items()))
+        line = measured_line(out)
+        if line:
+            err.print(line)
     return 0
