@@ -23,6 +23,7 @@ from picompile.passes.registry import register_pass
 
 GRAPH_FILE = "graph.pt2"
 WEIGHTS_FILE = "weights.safetensors"
+WEIGHTS_ALIGN = 64  # bytes: picompile.kernels.ALIGNMENT (the passes may not import the kernels' loader)
 # build options that shape the artifact, recorded in the manifest ("build") so that it can be rebuilt alike
 RECORDED_OPTIONS: tuple[str, ...] = (
     "predictor", "seed", "calibration_tokens", "act_sparsity", "act_criterion", "sparsity_allocation", "allocation_step",
@@ -94,7 +95,8 @@ def package(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
     strip_build_metadata(ep)
     torch.export.save(ep, out / GRAPH_FILE)
     pin_serialization_id(out / GRAPH_FILE)
-    write_safetensors(out / WEIGHTS_FILE, tensors, metadata={"format": "pt"})  # tensor by tensor
+    # tensor by tensor, each on a 64-byte boundary: the runtime can map them where the kernels read them
+    write_safetensors(out / WEIGHTS_FILE, tensors, metadata={"format": "pt"}, align=WEIGHTS_ALIGN)
     tokenizer = None
     if ctx.info.tokenizer is not None:
         from picompile.formats.tokenizers import load_tokenizer, save_tokenizer

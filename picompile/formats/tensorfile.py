@@ -88,6 +88,8 @@ def map_safetensors(path: Path) -> dict[str, torch.Tensor]:
     _MAPPINGS.append((base, len(mm), weakref.ref(mm)))
     tensors: dict[str, torch.Tensor] = {}
     for name, meta in header.items():
+        if name.startswith(PAD_PREFIX):
+            continue
         dtype, shape = DTYPE_OF[str(meta["dtype"])], [int(s) for s in meta["shape"]]  # type: ignore[union-attr]
         lo, hi = (int(v) for v in meta["data_offsets"])  # type: ignore[union-attr]
         if hi == lo:
@@ -128,29 +130,51 @@ def _order(tensors: Mapping[str, torch.Tensor]) -> list[str]:
     return sorted(tensors, key=lambda k: (-RANK_OF[tensors[k].dtype], k))
 
 
-def header_bytes(tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None) -> tuple[bytes, list[str]]:
-    """The safetensors header (length prefix included, padded with spaces to 8 bytes) and the tensors' order."""
+PAD_PREFIX: str = "__picompile_pad_"  # uint8 filler tensors that put the next tensor on its alignment
+
+
+def header_bytes(tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None,
+                 align: int = 0) -> tuple[bytes, list[tuple[str, int]]]:
+    """The safetensors header (length prefix included) and the data layout [(tensor name or "", bytes)].
+
+    ``align`` 0: save_file's header exactly (padded with spaces to 8 bytes). ``align`` N: the data starts on an
+    N-byte boundary of the file and every tensor too; a gap before one is a uint8 tensor ``PAD_PREFIX<i>`` (the
+    format has no holes), which readers of the file see as one more tensor and ``map_safetensors`` drops.
+    """
     order = _order(tensors)
     entries: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
+    layout: list[tuple[str, int]] = []
     offset = 0
     for name in order:
         t = tensors[name]
         n = t.numel() * t.element_size()
+        gap = -offset % align if align and n else 0
+        if gap:
+            entries[f"{PAD_PREFIX}{len(layout)}"] = {"dtype": "U8", "shape": [gap], "data_offsets": [offset, offset + gap]}
+            layout.append(("", gap))
+            offset += gap
         entries[name] = {"dtype": NAME_OF[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        layout.append((name, n))
         offset += n
     text = json.dumps(entries, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return len(text).to_bytes(8, "little") + text, order
+    text += b" " * ((-(len(text) + 8) % align) if align else (-len(text) % 8))
+    return len(text).to_bytes(8, "little") + text, layout
 
 
-def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None) -> int:
-    """Write ``tensors`` as a safetensors file, one tensor at a time; returns the bytes written."""
-    head, order = header_bytes(tensors, metadata)
+def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None,
+                      align: int = 0) -> int:
+    """Write ``tensors`` as a safetensors file, one tensor at a time (``align``: see :func:`header_bytes`);
+    returns the bytes written."""
+    head, layout = header_bytes(tensors, metadata, align)
     written = 0
     with open(path, "wb") as f:
         f.write(head)
         written += len(head)
-        for name in order:
+        for name, n in layout:
+            if not name:
+                f.write(bytes(n))
+                written += n
+                continue
             t = tensors[name].detach()
             if t.numel() == 0:
                 continue
