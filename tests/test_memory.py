@@ -131,3 +131,23 @@ def test_bf16_build_peak_rss_below_its_float32_size(tmp_path: Path) -> None:
     assert r["peak"] - r["base"] < float32_bytes, (r, float32_bytes)
     measured = json.loads((tmp_path / "a.pic" / "manifest.json").read_text())["measured"]
     assert measured["peak_rss_bytes"] == r["peak"] and measured["estimated_peak_bytes"] > 0
+
+
+def test_streamed_synthetic_checkpoint_is_sharded_bf16_and_sparse(tmp_path: Path) -> None:
+    """The layer-by-layer generator (llama-7b-relu's) on the tiny shape: bfloat16 shards with an index, the
+    activation statistics it was asked for, reused when complete; the 7B shape is known to plan."""
+    from picompile.frontend import load_model
+    from picompile.tools.model_shapes import BUILTIN_MODELS
+    from picompile.tools.synthetic import STREAMED, load_stats, make_synthetic
+
+    path = make_synthetic("tiny-llama-relu", tmp_path / "s", streamed=True)
+    assert (path / "model.safetensors.index.json").is_file()
+    assert json.loads((path / "config.json").read_text())["picompile_synthetic"]["streamed"] is True
+    model, info = load_model(str(path))
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16} and info.n_layers == 2
+    assert all(0.05 < r["active"] < 0.2 for r in load_stats(path))
+    stamp = (path / "config.json").stat().st_mtime_ns
+    assert make_synthetic("tiny-llama-relu", tmp_path / "s", streamed=True) == path
+    assert (path / "config.json").stat().st_mtime_ns == stamp
+    assert "llama-7b-relu" in STREAMED
+    assert 6.6e9 < BUILTIN_MODELS["llama-7b-relu"].n_params < 6.9e9

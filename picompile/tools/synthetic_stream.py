@@ -114,3 +114,80 @@ def write_random_checkpoint(out: Path, cfg: dict[str, Any], dtype: torch.dtype =
     writer.close()
     (out / "config.json").write_text(json.dumps({**cfg, "dtype": str(dtype).removeprefix("torch.")}, indent=1) + "\n")
     return count
+
+
+# -- synthetic activation-sparse checkpoints too big to hold: generated and written layer by layer ----------------
+def write_synthetic_streamed(params: Any, out: Path, dtype: torch.dtype = torch.bfloat16, shard_bytes: int = 2 << 30,
+                             measure_tokens: int = 256, emit: Any = lambda s: None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """:mod:`picompile.tools.synthetic_model`'s construction (Llama family), one decoder layer at a time: the
+    layer is drawn in float32, calibrated on the hidden states of the calibration tokens, measured on other random
+    tokens (hooks on its ReLU, as ``measure_sparsity``), written in ``dtype`` and dropped. Memory holds the
+    embeddings, the head (float32) and one layer. The draws come in another order than the in-memory generator's,
+    so the same seed gives other weights. Returns (description, measured per-layer rows); writes the shards and
+    their index into ``out`` (config.json is the caller's)."""
+    from transformers.initialization import no_init_weights
+
+    from picompile.sparsity.profile_stats import LayerProfile, locality
+    from picompile.tools import synthetic_model as sm
+
+    shape = sm.SHAPES[params.shape]
+    if shape.family != "llama":
+        raise ValueError("the streamed generator makes Llama-family checkpoints")
+    gen = torch.Generator().manual_seed(params.seed)
+    d, c = shape.d_model, shape.d_model - 1
+    p_sorted, a, alpha = sm.power_law_frequencies(shape.n_neurons, params.active, params.locality, params.p_max)
+    rank = params.rank(d)
+    init = sm._Init(gen, sm._residual_basis(d, rank, True, gen), params.subspace_share, c)
+    one = sm._hf_config(shape)
+    one.num_hidden_layers = 1
+    with no_init_weights(), torch.random.fork_rng(devices=[]):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(one, dtype=torch.float32, attn_implementation="sdpa").eval()
+    writer = ShardWriter(out, shard_bytes)
+    with torch.no_grad():
+        emb = sm._subspace_rows(shape.vocab, init.basis, init.share, 1.0, init.gen)  # [vocab, d]
+        emb[:, c] = params.const_value
+        head = init.normal(shape.vocab, d, std=1.0 / math.sqrt(d))
+        head[:, c] = 0.0
+        writer.add("model.embed_tokens.weight", emb.to(dtype))
+        writer.add("lm_head.weight", head.to(dtype))
+        writer.add("model.norm.weight", torch.ones(d, dtype=dtype))
+        del head
+        model.model.embed_tokens.weight.copy_(emb)
+        b, t = sm.seq_shape(params.calibration_tokens, shape.max_pos)
+        h, kwargs = sm._layer_kwargs(model, torch.randint(0, shape.vocab, (b, t), generator=gen))
+        bm, tm = sm.seq_shape(measure_tokens, shape.max_pos)
+        ids_m = torch.randint(0, shape.vocab, (bm, tm), generator=torch.Generator().manual_seed(params.seed + 1))
+        h_m, kwargs_m = sm._layer_kwargs(model, ids_m)
+        del emb
+        keep = list(range(d - 1))
+        target = sm._rms(h[..., keep]) / math.sqrt(shape.n_layers)
+        layer = sm.decoder_layers(model)[0]
+        layers_info, stats = [], []
+        for i in range(shape.n_layers):
+            sm._init_llama_layer(layer, shape, init)
+            h, info = sm._calibrate_layer(layer, h, kwargs, shape, p_sorted, target, gen)
+            layers_info.append({"layer": i, **info, "residual_rms": sm._rms(h[..., keep])})
+            seen: list[torch.Tensor] = []
+            hook = layer.mlp.act_fn.register_forward_hook(lambda _m, _a, o: seen.append((o > 0).reshape(-1, o.shape[-1])))
+            try:
+                out_m = layer(h_m, **kwargs_m)
+            finally:
+                hook.remove()
+            h_m = out_m[0] if isinstance(out_m, tuple) else out_m
+            active = torch.cat(seen)
+            prof = LayerProfile(active.sum(0).numpy().astype("int64"), int(active.shape[0]), name=f"layer{i}")
+            stats.append({"layer": i, "n_neurons": prof.n_neurons, "n_tokens": prof.n_tokens, "active": 1.0 - prof.sparsity,
+                          "sparsity": prof.sparsity, "locality": prof.locality, "locality_50": locality(prof.counts, 0.5),
+                          "dead_fraction": prof.dead_fraction})
+            for name, tensor in layer.state_dict().items():
+                writer.add(f"model.layers.{i}.{name}", tensor.to(dtype))
+            emit(f"layer {i + 1}/{shape.n_layers}: active {stats[-1]['active']:.3f}, locality {prof.locality:.3f}")
+    writer.close()
+    description = {
+        "power_law": {"a": a, "alpha": alpha, "p_max": params.p_max, "design_mean": float(p_sorted.mean())},
+        "subspace_rank": rank, "branch_rms": target, "const_dim": c, "calibration": {"batch": b, "seq_len": t},
+        "layers": layers_info, "streamed": True, "dtype": str(dtype).removeprefix("torch."),
+    }
+    return description, stats
