@@ -117,7 +117,7 @@ def write_random_checkpoint(out: Path, cfg: dict[str, Any], dtype: torch.dtype =
 
 
 # -- synthetic activation-sparse checkpoints too big to hold: generated and written layer by layer ----------------
-def write_synthetic_streamed(params: Any, out: Path, dtype: torch.dtype = torch.bfloat16, shard_bytes: int = 2 << 30,
+def write_synthetic_streamed(params: Any, out: Path, dtype: torch.dtype = torch.bfloat16, shard_bytes: int = 1 << 30,
                              measure_tokens: int = 256, emit: Any = lambda s: None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """:mod:`picompile.tools.synthetic_model`'s construction (Llama family), one decoder layer at a time: the
     layer is drawn in float32, calibrated on the hidden states of the calibration tokens, measured on other random
