@@ -106,9 +106,12 @@ def check_memory(config: BuildConfig) -> "BuildEstimate | None":
     from picompile.formats.manifest_schema import gib
     from picompile.frontend.base import available_memory_bytes, config_dims, estimate_build
 
+    from picompile.frontend.base import check_config_bounds
+
     cfg = model_config_of(config.model)
     if cfg is None:
         return None
+    check_config_bounds(cfg, str(Path(config.model) / "config.json"))  # out of bounds, or weights beyond memory
     estimate = estimate_build(config_dims(cfg, config.model), config.weight_dtype, config.calibration_tokens,
                               config.predictor_budget)
     budget = int(config.max_memory_gib * 2**30) if config.max_memory_gib is not None else available_memory_bytes()

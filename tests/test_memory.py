@@ -96,7 +96,7 @@ def test_build_over_max_memory_fails_before_loading(checkpoints: dict, tmp_path:
     shutil.copytree(checkpoints[("llama", "relu")], d)
     cfg = json.loads((d / "config.json").read_text())
     cfg.update(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-               num_key_value_heads=32, vocab_size=32000)  # a 7B shape over a tiny checkpoint: never read
+               num_key_value_heads=32, vocab_size=32000, dtype="bfloat16")  # a 7B shape over a tiny checkpoint: never read
     (d / "config.json").write_text(json.dumps(cfg))
     assert main(["build", str(d), "-o", str(tmp_path / "a.pic"), "-q", "--weight-dtype", "float16",
                  "--max-memory", "8"]) == 2

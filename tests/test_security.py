@@ -698,7 +698,7 @@ def guarded_openers(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         return cache[key]
 
     monkeypatch.setattr(torch.export, "load", export_load)
-    monkeypatch.setattr(loader, "load_file", record(loader.load_file))
+    monkeypatch.setattr(loader, "map_safetensors", record(loader.map_safetensors))
     monkeypatch.setattr(kernels, "load_kernel", record(kernels.load_kernel))
     monkeypatch.setattr(tokenizers, "load_tokenizer", record(tokenizers.load_tokenizer))
     yield state
