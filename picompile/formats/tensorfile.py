@@ -76,7 +76,8 @@ def read_header(path: Path) -> tuple[int, dict[str, dict[str, object]]]:
 def map_safetensors(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file, in its stored dtype, as a view of one private mapping of the file.
 
-    The mapping lives as long as any of the tensors; writing to a tensor copies only the pages written.
+    The mapping lives as long as any of the tensors; writing to a tensor copies only the pages written (and
+    :func:`release_pages` would revert them: treat mapped tensors as read-only).
     """
     start, header = read_header(Path(path))
     with open(path, "rb") as f:
@@ -104,8 +105,12 @@ def map_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 def release_pages(tensors: "list[torch.Tensor] | None" = None) -> int:
     """Drop the resident pages of mapped tensors (``None``: of every mapping) from this process's memory; the
-    data stays in the page cache and is read back from the file if used again (pages written to are kept).
-    Returns the bytes of the ranges released; tensors that are not mapped are left alone."""
+    data stays in the page cache and is read back from the file if used again. Returns the bytes of the ranges
+    released; tensors that are not mapped are left alone.
+
+    The mappings are private: a page written to in place is this process's copy, and releasing it reverts it to
+    the file's content. Mapped weights are only read (no pass writes to a weight in place: they make new
+    tensors), which is what makes releasing them safe."""
     released = 0
     for base, length, ref in list(_MAPPINGS):
         mm = ref()
