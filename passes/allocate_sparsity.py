@@ -15,10 +15,11 @@ from picompile.context import BuildContext, FFNLayer
 from picompile.errors import PassError
 from picompile.formats.profile import PROFILE_FILE, update_counts
 from picompile.ir.ops import is_picompile_op
-from picompile.ir.patterns import Decider, decider_of, ffn_nodes
+from picompile.ir.patterns import Decider, ffn_nodes
 from picompile.ir.schema import bind, call_args
 from picompile.passes.registry import register_pass
 from picompile.sparsity.profile_stats import LayerProfile
+from picompile.sparsity.widen import WideningInterpreter, float32_decider, release_stored
 
 MAX_LAYER_SPARSITY = 0.95  # no layer is pushed past this share of inactive neurons
 
@@ -39,7 +40,7 @@ class _Layer:
         return float(self.ordered[k])
 
 
-class _Thresholded(fx.Interpreter):
+class _Thresholded(WideningInterpreter):
     """Runs the graph with each picompile.ffn masked at a per-layer |act| threshold."""
 
     def __init__(self, gm: fx.GraphModule, deciders: dict[int, Decider],
@@ -104,7 +105,7 @@ def _score_layers(gm: fx.GraphModule, ctx: BuildContext,
     deciders: dict[int, Decider] = {}
     infos: list[_Layer] = []
     for layer in layers:
-        decider = deciders[layer.index] = decider_of(gm, nodes[layer.index], ctx.config.act_criterion)
+        decider = deciders[layer.index] = float32_decider(gm, nodes[layer.index], ctx.config.act_criterion)
         with torch.no_grad():
             scores = decider.score(ctx.calibration[layer.index].x)  # [N, n_neurons]
         infos.append(_Layer(layer.index, scores, torch.sort(scores.flatten()).values))
@@ -167,4 +168,5 @@ def allocate_sparsity(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
         "evaluations": len(cache),
     }
     update_counts(ctx.staging_dir / PROFILE_FILE, {info.index: ctx.calibration[info.index].profile for info in infos})
+    release_stored(gm)
     return gm

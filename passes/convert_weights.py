@@ -15,6 +15,7 @@ from torch import fx
 
 from picompile.context import BuildContext
 from picompile.errors import PassError
+from picompile.formats.tensorfile import release_pages
 from picompile.ir.graph import drop_unused_weights, get_tensor
 from picompile.ir.patterns import QUANT_WEIGHT_DTYPES, SCALE_ARGS, add_buffer
 from picompile.ir.patterns import WEIGHT_DTYPES as DTYPES
@@ -53,6 +54,7 @@ class _Converter:
                 return arg
             name = f"{str(arg.target).replace('.', '_')}_{str(self.dtype).removeprefix('torch.')}"
             self.done[arg] = add_buffer(self.gm, name, t.to(self.dtype), arg)  # beside the original: before its users
+            release_pages([t])  # a mapped checkpoint tensor's pages leave this process's memory (no-op otherwise)
             self.count += 1
             self.bytes_before += t.numel() * t.element_size()
             self.bytes_after += t.numel() * self.dtype.itemsize

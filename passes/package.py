@@ -15,11 +15,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import fx
 
 from picompile.formats.archive import pin_serialization_id
 from picompile.formats.artifact import Manifest, write_manifest
+from picompile.formats.tensorfile import write_safetensors
 from picompile.formats.provenance import portable_model, portable_sections
 from picompile.context import BuildContext
 from picompile.frontend.decoder import dynamic_shapes, example_inputs
@@ -30,6 +30,7 @@ from picompile.passes.registry import register_pass
 
 GRAPH_FILE = "graph.pt2"
 WEIGHTS_FILE = "weights.safetensors"
+WEIGHTS_ALIGN = 64  # bytes: picompile.kernels.ALIGNMENT (the passes may not import the kernels' loader)
 # build options that shape the artifact, recorded in the manifest ("build") so that it can be rebuilt alike
 RECORDED_OPTIONS: tuple[str, ...] = (
     "predictor", "seed", "calibration_tokens", "act_sparsity", "act_criterion", "sparsity_allocation", "allocation_step",
@@ -137,7 +138,8 @@ def package(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
     strip_build_metadata(ep)
     torch.export.save(ep, out / GRAPH_FILE)
     pin_serialization_id(out / GRAPH_FILE)
-    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    # tensor by tensor, each on a 64-byte boundary: the runtime can map them where the kernels read them
+    write_safetensors(out / WEIGHTS_FILE, tensors, metadata={"format": "pt"}, align=WEIGHTS_ALIGN)
     tokenizer = None
     if ctx.info.tokenizer is not None:
         from picompile.formats.tokenizers import load_tokenizer, save_tokenizer

@@ -15,10 +15,11 @@ from picompile.sparsity.calibration import load_calibration
 from picompile.context import BuildContext
 from picompile.formats.profile import PROFILE_FILE, write_profile
 from picompile.ir.ops import is_picompile_op
-from picompile.ir.patterns import decider_of, ffn_nodes
+from picompile.ir.patterns import ffn_nodes
 from picompile.ir.schema import bind
 from picompile.passes.registry import register_pass
 from picompile.sparsity.profile_stats import LayerProfile
+from picompile.sparsity.widen import WideningInterpreter, float32_decider, release_stored
 
 @dataclass
 class LayerCalibration:
@@ -30,8 +31,9 @@ class LayerCalibration:
     profile: LayerProfile
 
 
-class _FFNInputs(fx.Interpreter):
-    """Runs the graph and keeps every picompile.ffn input ([tokens, d_model]) by layer."""
+class _FFNInputs(WideningInterpreter):
+    """Runs the graph and keeps every picompile.ffn input ([tokens, d_model]) by layer (weights stored narrower
+    are widened one at a time as they are read: the float32 model's values)."""
 
     def __init__(self, gm: fx.GraphModule) -> None:
         super().__init__(gm)
@@ -61,12 +63,13 @@ def profile_activations(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule
         node = nodes[layer.index]
         x = torch.cat(recorder.inputs[layer.index])  # [N, d_model]
         with torch.no_grad():
-            a = decider_of(gm, node, cfg.act_criterion).score(x)  # [N, n_neurons]
+            a = float32_decider(gm, node, cfg.act_criterion).score(x)  # [N, n_neurons]
         threshold = 0.0 if layer.act == "relu" else float(torch.quantile(a.flatten()[: 1 << 24].float(), cfg.act_sparsity))
         mask = a > threshold
         prof = LayerProfile.from_mask(mask.numpy(), name=layer.module)
         ctx.calibration[layer.index] = LayerCalibration(x=x, mask=mask, threshold=threshold, profile=prof)
         layer.stats.update({"sparsity": prof.sparsity, "locality": prof.locality, "act_threshold": threshold})
+    release_stored(gm)  # the checkpoint's mapped pages this read leave this process's memory
     write_profile(ctx.staging_dir / PROFILE_FILE, {i: cal.profile for i, cal in ctx.calibration.items()}, int(ids.numel()))
     ctx.calibration_ids = ids
     ctx.manifest_extra["profile"] = {"file": PROFILE_FILE, "corpus": corpus, "n_tokens": int(ids.numel()),

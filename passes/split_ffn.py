@@ -2,6 +2,10 @@
                                       sparse_ffn(x, cold rows, mask[n_hot:], device=cpu), b_down).
 Each part's rows are contiguous and neuron-major (down projection transposed); the mask producer's
 rows are permuted into the same hot-then-cold order so the mask is split by slicing.
+
+With --weight-dtype float16 the parts' rows are made in float16 here (named as convert-weights names its
+copies, which then finds them done: the same artifact), so a build never holds the FFN rows twice beside the
+converted ones; each layer's original rows are dropped (a mapped checkpoint's pages released) once split.
 """
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from torch import fx
 
 from picompile.context import BuildContext
 from picompile.errors import PassError
+from picompile.formats.tensorfile import release_pages
 from picompile.ir.graph import drop_unused_weights, get_tensor
 from picompile.ir.ops import is_picompile_op
 from picompile.ir.patterns import add_buffer, ffn_nodes
@@ -19,6 +24,7 @@ from picompile.passes.registry import register_pass
 aten = torch.ops.aten
 # mask-producing op -> its per-neuron row tensors (permuted with the neurons)
 MASK_ROWS: dict[str, tuple[str, ...]] = {"predict": ("fc2", "offset"), "oracle_mask": ("w", "b", "w_mul")}
+NARROWED: dict[str, torch.dtype] = {"float16": torch.float16}  # --weight-dtype -> the dtype rows are made in
 
 
 def _permute_mask_producer(gm: fx.GraphModule, mask: fx.Node, perm: torch.Tensor, layer: int) -> None:
@@ -45,6 +51,7 @@ def split_ffn(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
         raise PassError("split-ffn needs place-neurons to run first")
     nodes = ffn_nodes(gm)
     g = gm.graph
+    narrow = NARROWED.get(ctx.config.weight_dtype)  # rows made in the artifact's dtype (convert-weights' copies)
     for layer, hot, cold in zip(ctx.ffn_layers, ctx.placement.hot, ctx.placement.cold):
         node = nodes[layer.index]
         a = args_of(node)
@@ -55,10 +62,16 @@ def split_ffn(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
         if mask is not None:
             _permute_mask_producer(gm, mask, torch.cat([hot_t, cold_t]), layer.index)
         up, down_t = get_tensor(gm, w_up), get_tensor(gm, w_down).t()  # [n, d], [n, d]
+        originals = [t for t in (up, down_t, *(get_tensor(gm, n) for n in (b_up, w_gate) if n is not None))]
         parts: list[fx.Node] = []
         for part, idx, device, lo, hi in (("hot", hot_t, "gpu", 0, n_hot), ("cold", cold_t, "cpu", n_hot, None)):
             def rows(t: torch.Tensor | None, role: str) -> fx.Node | None:
-                return None if t is None else add_buffer(gm, f"ffn{layer.index}_{part}_{role}", t[idx], node)
+                if t is None:
+                    return None
+                name = f"ffn{layer.index}_{part}_{role}"
+                if narrow is not None and t.is_floating_point() and t.dtype != narrow:
+                    return add_buffer(gm, f"{name}_{str(narrow).removeprefix('torch.')}", t[idx].to(narrow), node)
+                return add_buffer(gm, name, t[idx], node)
 
             weights = dict(
                 w_up=rows(up, "up"),
@@ -76,6 +89,9 @@ def split_ffn(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
         merged.meta.update({k: v for k, v in node.meta.items() if k in ("val", "tensor_meta", "nn_module_stack")})
         node.replace_all_uses_with(merged)
         g.erase_node(node)
+        drop_unused_weights(gm)  # this layer's original rows
+        release_pages(originals)
+        del originals, up, down_t
     g.eliminate_dead_code()
     drop_unused_weights(gm)  # e.g. mask rows replaced by permuted copies
     gm.recompile()

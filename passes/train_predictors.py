@@ -9,9 +9,10 @@ from picompile.context import BuildContext
 from picompile.errors import PassError
 from picompile.kernels import skips_inactive
 from picompile.sparsity.linear_predictor import candidate_ranks, fit_linear_predictor
-from picompile.ir.patterns import WEIGHT_DTYPES, decider_of, ffn_nodes, weight_itemsize
+from picompile.ir.patterns import WEIGHT_DTYPES, ffn_nodes, weight_itemsize
 from picompile.passes.registry import register_pass
 from picompile.sparsity.predictor import choose_ranks, rank_granularity, train_predictor
+from picompile.sparsity.widen import float32_decider, release_stored
 
 
 @register_pass("train-predictors")
@@ -40,7 +41,7 @@ def train_predictors(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
         cal = ctx.calibration[layer.index]
         seed = cfg.seed + layer.index
         if cfg.predictor_kind == "linear":
-            margin = decider_of(gm, nodes[layer.index], cfg.act_criterion).margin(cal.x, cal.threshold)  # [N, n]
+            margin = float32_decider(gm, nodes[layer.index], cfg.act_criterion).margin(cal.x, cal.threshold)  # [N, n]
             # bytes a decode step reads per selected neuron beyond those of the firing ones (read at any rank):
             # one row where the kernel skips the rest of a neuron that does not fire, else all its rows
             kind = "ffn_gated" if layer.kind == "gated" else "ffn_relu"
@@ -59,4 +60,5 @@ def train_predictors(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
             "recall": report.recall, "precision": report.precision,
             "predicted_active": report.predicted_active_fraction, "true_active": report.true_active_fraction,
         })
+    release_stored(gm)  # the decider rows read from a mapped checkpoint leave this process's memory
     return gm

@@ -2,17 +2,21 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
-from picompile.formats.artifact import staged_output
+from picompile.formats.artifact import MANIFEST, record_measured, staged_output
 from picompile.config import BuildConfig
 from picompile.context import BuildContext
-from picompile.errors import PicompileError
+from picompile.errors import BudgetError, PicompileError
 from picompile.pipeline import check_print_after, pass_names, run_pipeline
 from picompile.targets import get_target
+
+if TYPE_CHECKING:
+    from picompile.frontend.base import BuildEstimate
 
 
 def default_model() -> str:
@@ -58,8 +62,11 @@ def build_from_config(
     tgt = get_target(config.target, config.vram_budget_gib)
     names = pass_names(config.pipeline)
     check_print_after(names, config.print_after)
+    estimate = check_memory(config)
+    return_freed_memory()
     from picompile.frontend import load_model
 
+    start = time.perf_counter()
     model, info = load_model(config.model)
     if config.max_seq_len is not None and config.max_seq_len > info.max_seq_len:
         raise PicompileError(f"--max-seq-len {config.max_seq_len} exceeds the model's {info.max_seq_len} positions")
@@ -75,4 +82,69 @@ def build_from_config(
         if track is not None:
             ctx.track = track
         run_pipeline(ctx, names, emit=emit, on_pass=on_pass)
+        measured = {"peak_rss_bytes": peak_rss_bytes(), "build_seconds": round(time.perf_counter() - start, 1)}
+        if estimate is not None:
+            measured["estimated_peak_bytes"] = estimate.total
+        if (staging / MANIFEST).is_file():
+            record_measured(staging, measured)
     return Path(config.output)
+
+
+def model_config_of(model: str) -> dict[str, Any] | None:
+    """The HF config.json of a checkpoint directory (None for other model kinds: llama2.c, ONNX, hub ids)."""
+    path = Path(model)
+    if not (path.is_dir() and (path / "config.json").is_file()):
+        return None
+    from picompile.frontend.hf import read_config
+
+    return read_config(path)
+
+
+def check_memory(config: BuildConfig) -> "BuildEstimate | None":
+    """The build's estimated peak memory from the model's config (before any weight is read), refused with the
+    figure when it exceeds --max-memory (default: the memory this machine has available now)."""
+    from picompile.formats.manifest_schema import gib
+    from picompile.frontend.base import available_memory_bytes, config_dims, estimate_build
+
+    from picompile.frontend.base import check_config_bounds
+
+    cfg = model_config_of(config.model)
+    if cfg is None:
+        return None
+    check_config_bounds(cfg, str(Path(config.model) / "config.json"))  # out of bounds, or weights beyond memory
+    estimate = estimate_build(config_dims(cfg, config.model), config.weight_dtype, config.calibration_tokens,
+                              config.predictor_budget)
+    budget = int(config.max_memory_gib * 2**30) if config.max_memory_gib is not None else available_memory_bytes()
+    if estimate.total > budget:
+        what = f"--max-memory {config.max_memory_gib:g} GiB" if config.max_memory_gib is not None else \
+            f"the {gib(budget)} this machine has available (set --max-memory to override)"
+        raise BudgetError(f"this build needs about {estimate.describe()}, more than {what}")
+    return estimate
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (bytes; Linux reports KiB, macOS bytes)."""
+    import resource
+    import sys
+
+    peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def return_freed_memory() -> None:
+    """glibc: tensors above 1 MiB get pages of their own (mmap), so freeing one returns its memory at once
+    instead of leaving it in the heap (glibc's default threshold grows to 32 MiB after the first big free, and
+    the per-layer copies a build makes and drops would then pile up). A no-op elsewhere."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        if libc is not None and hasattr(libc, "mallopt"):
+            libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
+    except OSError:
+        pass
+
+
+M_MMAP_THRESHOLD: int = -3  # glibc's mallopt parameter

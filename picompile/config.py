@@ -78,6 +78,7 @@ class BuildConfig:
     print_after: list[str] = field(default_factory=list)  # pass names, or "all"
     dump_ir: Path | None = None  # one readable file per pass
     progress: bool = True
+    max_memory_gib: float | None = None  # the build's memory budget (None: what the machine has available now)
 
     def recall_for(self, all_relu: bool) -> float:
         """The recall target predictors are tuned to: the option, else the default for this kind of model."""
@@ -143,7 +144,7 @@ class BuildConfig:
                 "predictor_budget": "--predictor-budget"}
         optional = {"max_seq_len": ("--max-seq-len", is_int), "recall_target": ("--recall-target", is_num),
                     "vram_budget_gib": ("--vram-budget", is_num),
-                    "accuracy_budget": ("--accuracy-budget", is_num)}
+                    "accuracy_budget": ("--accuracy-budget", is_num), "max_memory_gib": ("--max-memory", is_num)}
         out: list[tuple[bool, str, object]] = [(is_int(getattr(self, k)), f"{flag} must be an integer", getattr(self, k))
                                                for k, flag in ints.items()]
         out += [(is_num(getattr(self, k)), f"{flag} must be a finite number", getattr(self, k)) for k, flag in nums.items()]
@@ -153,5 +154,7 @@ class BuildConfig:
                 (not is_num(self.vram_budget_gib) or 0 <= self.vram_budget_gib <= 1e6, "--vram-budget must be in "
                  "[0, 1e6] GiB", self.vram_budget_gib),
                 (not is_int(self.max_seq_len) or self.max_seq_len <= 1 << 22, "--max-seq-len must be <= 4194304",
-                 self.max_seq_len)]
+                 self.max_seq_len),
+                (not is_num(self.max_memory_gib) or 0 < self.max_memory_gib <= 1e6, "--max-memory must be in "
+                 "(0, 1e6] GiB", self.max_memory_gib)]
         return out

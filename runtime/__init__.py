@@ -9,7 +9,8 @@ from picompile.runtime.session import Session
 
 def load(path: str | Path, verify: bool = True, dense: bool = False, hybrid: str = "auto",
          compile: bool = False, prefill_dtype: str | None = None, *, print_after: Sequence[str] = (),
-         dump_ir: str | Path | None = None, emit: Callable[[str], None] = print, kernels: str = "local") -> Session:
+         dump_ir: str | Path | None = None, emit: Callable[[str], None] = print, kernels: str = "local",
+         weights: str = "copied") -> Session:
     """Load an artifact directory: check its manifest version and checksums, bind weights, return a Session.
 
     ``dense=True`` computes every FFN neuron (predictors dropped): the artifact's own dense reference.
@@ -31,7 +32,14 @@ def load(path: str | Path, verify: bool = True, dense: bool = False, hybrid: str
     ``kernels``: "local" (default) compiles the artifact's TVM kernels here from their specs (or takes them from
     the local kernel cache), so no native code of the artifact runs; "artifact" loads its own libraries (for a
     machine without TVM's compiler, and only for an artifact whose builder you trust).
+    ``weights``: "copied" (default) copies every weight into aligned anonymous memory (huge pages) for the kernels;
+    "mapped" leaves them on a private mapping of the weights file, copying only those not aligned for a kernel
+    (``session.graph.meta["realigned_bytes"]``): resident memory is what the page cache holds of the file.
     """
+    from picompile.errors import InputError
+
+    if weights not in ("copied", "mapped"):
+        raise InputError(f"weights must be copied or mapped, got {weights!r}")
     from picompile.formats.artifact import read_manifest
     from picompile.runtime.hybrid import check_mode
     from picompile.runtime.load_pipeline import LoadRun, load_steps
@@ -56,10 +64,11 @@ def load(path: str | Path, verify: bool = True, dense: bool = False, hybrid: str
 
         hybrid = transparent_mode(hybrid, Target.from_json(manifest.target).has_gpu)
     options = load_options(manifest, dense=dense, hybrid=hybrid, direct=True, compile=compile,
-                           prefill_dtype=prefill_dtype)
+                           prefill_dtype=prefill_dtype, mapped_weights=weights == "mapped")
     # an unknown print_after name fails here, before the graph is read
     run = LoadRun(load_steps(options), print_after=list(print_after), dump_ir=_path(dump_ir), emit=emit)
-    graph = load_graph(root, manifest, dense=dense, hybrid=hybrid, direct=True, run=run, kernels=kernels)
+    graph = load_graph(root, manifest, dense=dense, hybrid=hybrid, direct=True, run=run, kernels=kernels,
+                       mapped_weights=weights == "mapped")
     tokenizer = None
     if manifest.tokenizer:
         from picompile.formats.tokenizers import load_tokenizer_entry

@@ -43,6 +43,7 @@ class LoadOptions:
     target_has_gpu: bool = False  # the artifact's target ("auto" picks cuda only with one)
     direct: bool = False  # the picompile ops called past torch's dispatcher, metadata asserts dropped: for running
     aligned: bool = False  # the artifact has TVM kernels: weights copied into aligned anonymous memory
+    mapped_weights: bool = False  # weights left on the file's mapping (only misaligned ones copied)
     dense_prefill: bool = True  # prefill computes every neuron (decode runs the masks)
     prefill_dtype: Optional[str] = None  # "bfloat16": prefill's GEMMs on bfloat16 weight copies
     kv_in_place: bool = True  # the KV cache in preallocated arenas

@@ -40,7 +40,7 @@ def _bind_weights(state: LoadState) -> None:
 def _align_weights(state: LoadState) -> None:
     from picompile.runtime.loader import align_weights
 
-    state.graph = align_weights(_graph(state), len(state.weight_keys))
+    state.graph = align_weights(_graph(state), len(state.weight_keys), mapped=state.options.mapped_weights)
 
 
 @load_step("drop-masks", ("graph",), "every FFN neuron computed: the masks dropped, the predictors dead code")

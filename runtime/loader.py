@@ -9,8 +9,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 from torch import fx
 
 import picompile.ir.ops  # noqa: F401  (registers the ops the graph calls)
@@ -18,6 +16,7 @@ from picompile.errors import ArtifactError, InputError
 from picompile.formats.archive import check_graph_archive
 from picompile.formats.artifact import Manifest, verify_listed
 from picompile.formats.paths import inside, listed
+from picompile.formats.tensorfile import TensorFileError, map_safetensors
 from picompile.ir.graph import placeholders
 from picompile.runtime.load_pipeline import LoadOptions, LoadRun, LoadState, graph_steps
 from picompile.runtime.masks import drop_masks, without_masks  # noqa: F401  (re-exported: the load's mask rewrites)
@@ -37,11 +36,12 @@ def read_exported(root: Path, manifest: Manifest) -> Any:
 
 
 def read_weights(root: Path, manifest: Manifest) -> dict[str, torch.Tensor]:
-    """The manifest's weight file's tensors (every one the graph names must be there)."""
+    """The manifest's weight file's tensors (every one the graph names must be there), mapped from the file
+    (private, copy-on-write: nothing is read until used, and nothing is copied here)."""
     wfile = listed(root, manifest.weights["file"], manifest.files, "weights.file")
     try:
-        tensors = load_file(str(wfile))
-    except (SafetensorError, OSError) as e:
+        tensors = map_safetensors(wfile)
+    except (TensorFileError, OSError, ValueError) as e:
         raise ArtifactError(f"cannot read weights {wfile}: {e}") from None
     missing = [k for k in manifest.graph["weights"] if k not in tensors]
     if missing:
@@ -86,7 +86,7 @@ def check_vocab(gm: fx.GraphModule, vocab_size: int) -> None:
                             f"{val.shape[-1]} entries")
 
 
-def align_weights(gm: fx.GraphModule, n_weights: int) -> fx.GraphModule:
+def align_weights(gm: fx.GraphModule, n_weights: int, mapped: bool = False) -> fx.GraphModule:
     """The bound weights (``bind_weights``' buffers) replaced by aligned copies: the kernels read weights with
     aligned vector loads.
 
@@ -94,11 +94,20 @@ def align_weights(gm: fx.GraphModule, n_weights: int) -> fx.GraphModule:
     the small ones packed together) and the mapping is released — an aligned tensor used in place kept all
     4.4 GB of a 1B fp32 file resident beside the copies, and a weight the page cache reclaims is read back
     from disk mid-step.
+
+    ``mapped``: the weights stay on the file's mapping (the artifact's writer put each on a 64-byte boundary) and
+    only those that are not aligned there are copied; ``gm.meta["realigned_bytes"]`` / ``["mapped_bytes"]`` say
+    how much was copied and how much left mapped. Resident memory is then what the page cache holds of the file.
     """
-    from picompile.kernels import aligned_copies
+    from picompile.kernels import ALIGNMENT, aligned_copies
 
     names = [f"{WEIGHT_PREFIX}{i}" for i in range(n_weights)]
+    if mapped:
+        names = [n for n in names if getattr(gm, n).data_ptr() % ALIGNMENT or not getattr(gm, n).is_contiguous()]
+        gm.meta["mapped_bytes"] = sum(getattr(gm, f"{WEIGHT_PREFIX}{i}").nbytes for i in range(n_weights)
+                                      if f"{WEIGHT_PREFIX}{i}" not in names)
     copies = aligned_copies({name: getattr(gm, name) for name in names})
+    gm.meta["realigned_bytes"] = sum(t.nbytes for t in copies.values())
     for name, tensor in copies.items():
         gm.register_buffer(name, tensor)
     return gm
@@ -107,6 +116,7 @@ def align_weights(gm: fx.GraphModule, n_weights: int) -> fx.GraphModule:
 # -- the graph as the runtime runs it ---------------------------------------------------------------
 def load_options(manifest: Manifest, dense: bool = False, hybrid: str = "off", direct: bool = False,
                  **session: Any) -> LoadOptions:
+    # session may hold mapped_weights: the weights stay on the file's mapping (see align_weights)
     """The options of a load of ``manifest`` (``session``: the session steps' options, see ``LoadOptions``)."""
     from picompile.targets import Target
 
@@ -115,7 +125,8 @@ def load_options(manifest: Manifest, dense: bool = False, hybrid: str = "off", d
 
 
 def load_graph(root: Path, manifest: Manifest, dense: bool = False, hybrid: str = "off",
-               direct: bool = False, run: Optional[LoadRun] = None, kernels: str = "local") -> fx.GraphModule:
+               direct: bool = False, run: Optional[LoadRun] = None, kernels: str = "local",
+               mapped_weights: bool = False) -> fx.GraphModule:
     """The executable decoder-step graph: forward(input_ids, *past) -> (logits, *presents).
 
     ``dense``: drop the predictor masks, so every neuron is computed (see :func:`drop_masks`).
@@ -127,11 +138,13 @@ def load_graph(root: Path, manifest: Manifest, dense: bool = False, hybrid: str 
     ``kernels``: where the TVM kernels come from (:func:`load_kernels`): "local" (compiled here from their specs)
     or "artifact" (the artifact's own libraries: native code of whoever built it).
     """
-    options = load_options(manifest, dense=dense, hybrid=hybrid, direct=direct)
+    options = load_options(manifest, dense=dense, hybrid=hybrid, direct=direct, mapped_weights=mapped_weights)
     names = graph_steps(options)
     run = run if run is not None else LoadRun(names)
     ep = read_exported(root, manifest)
     tensors = read_weights(root, manifest)
+    if not mapped_weights and not options.aligned:  # no align step to copy them: copied here, the mapping released
+        tensors = {k: v.clone() for k, v in tensors.items()}
     load_kernels(root, manifest.sections.get("kernels") or [], manifest, source=kernels)
     g = manifest.graph
     state = LoadState(graph=ep.module(), options=options, n_inputs=1 + int(g["n_past"]), weight_keys=list(g["weights"]), tensors=tensors)

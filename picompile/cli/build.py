@@ -70,6 +70,9 @@ def add_parser(sub: Any) -> None:
     b.add_argument("--placement-batch", type=positive_int, default=64, metavar="N", help="neurons per placement decision")
     b.add_argument("--min-layer-neurons", type=nonnegative_int, default=0, metavar="N",
                    help="a layer on the GPU holds at least N hot neurons (default 0 = off)")
+    b.add_argument("--max-memory", type=finite_float(0.0, 1e6, lo_open=True), metavar="GIB",
+                   help="memory budget of the build: refused before loading when the estimate from the model's config "
+                        "exceeds it (default: the memory this machine has available)")
     b.add_argument("--seed", type=seed_int, default=0)
     b.add_argument("--print-after", action="append", metavar="PASS", help="print the graph after PASS (repeatable; 'all')")
     b.add_argument("--dump-ir", metavar="DIR", help="write the graph after every pass to DIR/NNN_PASS.txt")
@@ -97,7 +100,7 @@ def cmd(args: argparse.Namespace) -> int:
         quant_block=args.quant_block,
         predictor_dtype=args.predictor_dtype, input_sparsity=args.input_sparsity,
         input_allocation=args.input_allocation, accuracy_budget=args.accuracy_budget,
-        input_loss_tokens=args.input_loss_tokens,
+        input_loss_tokens=args.input_loss_tokens, max_memory_gib=args.max_memory,
     )
     err = console()
     start = time.perf_counter()
@@ -133,6 +136,11 @@ def cmd(args: argparse.Namespace) -> int:
             times[current[0][0]] = time.perf_counter() - current[0][1]
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     if not args.quiet:
+        from picompile.tools.report import measured_line
+
         err.print(f"built [bold]{out}[/bold] for target {config.target} in {time.perf_counter() - start:.1f} s "
                   f"({size / 1e6:.2f} MB); passes: " + ", ".join(f"{k} {v:.1f}s" for k, v in times.items()))
+        line = measured_line(out)
+        if line:
+            err.print(line)
     return 0

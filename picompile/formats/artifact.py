@@ -25,6 +25,7 @@ from picompile.formats.staging import STAGING_MARKER
 FORMAT: str = "picompile-artifact"
 FORMAT_VERSION: int = 1
 MANIFEST: str = "manifest.json"
+MACHINE_FIELDS: tuple[str, ...] = ("created", "measured")  # manifest fields of the build run, not of the content
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -49,6 +50,8 @@ class Manifest:
     tokenizer: dict[str, Any] | None = None
     sections: dict[str, Any] = field(default_factory=dict)  # what later passes add (profile, placement, …)
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # what the build machine measured (peak_rss_bytes, build_seconds): like ``created``, outside content_hash
+    measured: dict[str, Any] = field(default_factory=dict)
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
     picompile_version: str = ""
@@ -57,6 +60,8 @@ class Manifest:
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         head = {k: d.pop(k) for k in ("format", "format_version", "picompile_version", "created")}
+        if not d["measured"]:
+            del d["measured"]
         return {**head, **d}
 
     @classmethod
@@ -88,6 +93,14 @@ def write_manifest(root: Path, manifest: Manifest) -> Manifest:
     manifest.created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     (root / MANIFEST).write_text(json.dumps(manifest.to_json(), indent=2) + "\n")
     return manifest
+
+
+def record_measured(root: Path, measured: dict[str, Any]) -> None:
+    """Add the build's measurements to ``root``'s manifest.json (no file it lists changes)."""
+    path = Path(root) / MANIFEST
+    data = json.loads(path.read_text())
+    data["measured"] = {**data.get("measured", {}), **measured}
+    path.write_text(json.dumps(data, indent=2) + "\n")
 
 
 def read_manifest(root: Path, verify: bool = True, schema: bool = True) -> Manifest:
@@ -160,7 +173,8 @@ def content_hash(root: Path) -> str:
     Two builds of the same inputs with the same options and picompile version have the same hash.
     """
     data = read_manifest_json(Path(root))
-    data.pop("created", None)
+    for key in MACHINE_FIELDS:
+        data.pop(key, None)
     return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 

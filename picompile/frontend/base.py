@@ -86,22 +86,95 @@ def config_dims(config: dict[str, Any], where: str) -> dict[str, int]:
     return dims
 
 
-def estimate_bytes(dims: dict[str, int]) -> int:
-    """float32 bytes of the weights a config implies (embeddings + lm_head, attention, gated FFN), doubled: the
-    checkpoint is read into memory beside the model it fills."""
+def param_counts(dims: dict[str, int]) -> dict[str, int]:
+    """Parameters a config implies, by part: embeddings, lm_head, one decoder layer (attention as full heads,
+    gated FFN: upper bounds) and all layers."""
     h, n_l, v = dims.get("hidden", 1), dims.get("layers", 1), dims.get("vocab", 1)
     ffn = dims.get("ffn", 4 * h)
-    params = 2 * v * h + n_l * (4 * h * h + 3 * h * ffn + 2 * h)
-    return 2 * 4 * params
+    layer = 4 * h * h + 3 * h * ffn + 2 * h
+    return {"embeddings": v * h, "lm_head": v * h, "layer": layer, "ffn_layer": 3 * h * ffn, "layers": n_l * layer,
+            "total": 2 * v * h + n_l * layer}
 
 
-def check_config_bounds(config: dict[str, Any], where: str, memory_bytes: int | None = None) -> None:
-    """Refuse a config whose dimensions are out of bounds or whose weights cannot fit this machine's memory."""
+def estimate_bytes(dims: dict[str, int], itemsize: int = 4) -> int:
+    """Bytes of the weights a config implies, stored ``itemsize`` bytes per parameter (checkpoints are mapped:
+    nothing is copied to read them)."""
+    return itemsize * param_counts(dims)["total"]
+
+
+# bytes per parameter of the artifact's linear / FFN weights by --weight-dtype (int8/int4: a float16 scale per
+# block of 32: llama.cpp's q8_0 / q4_0)
+OUT_BYTES: dict[str, float] = {"float32": 4.0, "float16": 2.0, "int8": 34 / 32, "int4": 18 / 32}
+BASE_BYTES: int = 700 << 20  # torch, transformers and TVM imported: a build's resident memory before any model
+CHUNK_TOKENS: int = 256  # profiling runs the calibration tokens in windows of this many
+
+
+@dataclass
+class BuildEstimate:
+    """The peak resident memory a build is expected to need, by part (bytes)."""
+
+    weights: int  # the artifact's weights as the build holds them (embeddings stay float32)
+    calibration: int  # per layer: the profiled FFN inputs (float32) and masks (bool) of every calibration token
+    working: int  # one decoder layer widened to float32, one window's logits and activations
+    base: int = BASE_BYTES
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.calibration + self.working + self.base
+
+    def describe(self) -> str:
+        from picompile.formats.manifest_schema import gib
+
+        return (f"{gib(self.total)} (weights {gib(self.weights)}, calibration {gib(self.calibration)}, "
+                f"working {gib(self.working)}, runtime {gib(self.base)})")
+
+
+def estimate_build(dims: dict[str, int], weight_dtype: str = "float32", calibration_tokens: int = 4096,
+                   predictor_budget: float = 0.2) -> BuildEstimate:
+    """What a build of a model of ``dims`` holds at its peak, from the config alone (before anything is loaded)."""
+    p = param_counts(dims)
+    h, n_l, v = dims.get("hidden", 1), dims.get("layers", 1), dims.get("vocab", 1)
+    ffn = dims.get("ffn", 4 * h)
+    out = OUT_BYTES.get(weight_dtype, 4.0)
+    weights = int(4 * p["embeddings"] + out * (p["lm_head"] + p["layers"]) + 2 * predictor_budget * n_l * p["ffn_layer"])
+    calibration = calibration_tokens * n_l * (4 * h + ffn)
+    working = 4 * p["layer"] + 4 * CHUNK_TOKENS * (v + 8 * max(h, ffn)) + 8 * calibration_tokens * ffn
+    return BuildEstimate(weights=weights, calibration=calibration, working=working)
+
+
+def available_memory_bytes() -> int:
+    """Memory this machine can give a new build now (MemAvailable), else its physical memory."""
+    from picompile.formats.manifest_schema import physical_memory_bytes
+
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return physical_memory_bytes()
+
+
+def check_config_bounds(config: dict[str, Any], where: str, memory_bytes: int | None = None,
+                        itemsize: int | None = None) -> None:
+    """Refuse a config whose dimensions are out of bounds or whose weights cannot fit this machine's memory
+    (``itemsize``: bytes per stored parameter, by default the config's dtype's)."""
     from picompile.errors import ModelLoadError
     from picompile.formats.manifest_schema import gib, physical_memory_bytes
 
-    need = estimate_bytes(config_dims(config, where))
+    dtype = stored_dtype_of(config)
+    need = estimate_bytes(config_dims(config, where), itemsize or DTYPE_BYTES[dtype])
     have = physical_memory_bytes() if memory_bytes is None else memory_bytes
     if need > have:
-        raise ModelLoadError(f"{where}: this config implies about {gib(need)} of float32 weights to "
+        raise ModelLoadError(f"{where}: this config implies about {gib(need)} of {dtype} weights to "
                              f"build; this machine has {gib(have)}")
+
+
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def stored_dtype_of(config: dict[str, Any]) -> str:
+    """The dtype an HF config says its weights are stored in (``dtype`` / ``torch_dtype``), float32 if unsaid."""
+    v = config.get("dtype") or config.get("torch_dtype")
+    return v if isinstance(v, str) and v in DTYPE_BYTES else "float32"

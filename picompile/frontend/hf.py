@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -72,26 +72,84 @@ def _check_weight_files(path: Path) -> None:
             )
 
 
-def load_hf(spec: str) -> tuple[torch.nn.Module, dict[str, Any], str, dict[str, Any] | None]:
-    """Load (model, config dict, architecture, tokenizer source) from a checkpoint dir or hub id."""
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory: those its index names (sharded), else every one."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ModelLoadError(f"{index} is not a safetensors index ({type(e).__name__}: {e})") from None
+        bad = [str(n) for n in names if not isinstance(n, str) or Path(n).name != n or not (path / n).is_file()]
+        if bad:
+            raise ModelLoadError(f"{index} names shards that are not files in {path}: {', '.join(bad[:3])}")
+        return [path / n for n in names]
+    return sorted(path.glob("*.safetensors"))
+
+
+def map_checkpoint(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory, in its stored dtype, mapped from its files (nothing is copied)."""
+    from picompile.formats.tensorfile import TensorFileError, map_safetensors
+
+    tensors: dict[str, torch.Tensor] = {}
+    for f in checkpoint_files(path):
+        try:
+            tensors.update(map_safetensors(f))
+        except (TensorFileError, OSError, ValueError) as e:
+            raise ModelLoadError(str(e) if isinstance(e, TensorFileError) else f"cannot map {f}: {e}") from None
+    return tensors
+
+
+def model_from_tensors(config: Any, tensors: Mapping[str, torch.Tensor], where: str) -> torch.nn.Module:
+    """An HF causal LM of ``config`` (a transformers config) whose parameters are ``tensors``, bound as they are.
+
+    The model is made without allocating its weights (parameters uninitialised, never touched; buffers such as
+    rotary frequencies computed as usual), then each parameter is replaced by the tensor of its name: a mapped
+    bfloat16 checkpoint stays mapped bfloat16. Tied weights (``tie_word_embeddings``) may be absent. Any other
+    frontend that has a state-dict-like mapping (a GGUF file's dequantized tensors) can build its model here.
+    """
     from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
+    from transformers.initialization import no_init_weights
 
-    hf_logging.disable_progress_bar()
+    with no_init_weights(), torch.random.fork_rng(devices=[]):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    expected = dict(model.named_parameters(remove_duplicate=False))
+    unknown = [k for k in tensors if k not in expected and not k.endswith("rotary_emb.inv_freq")]
+    if unknown:
+        raise ModelLoadError(f"{where} holds {len(unknown)} tensors this model does not have, e.g. {unknown[:3]}")
+    for name, t in tensors.items():
+        if name in expected and tuple(t.shape) != tuple(expected[name].shape):
+            raise ModelLoadError(f"{where}: tensor {name} is {tuple(t.shape)}, the config implies "
+                                 f"{tuple(expected[name].shape)}")
+    model.load_state_dict({k: v for k, v in tensors.items() if k in expected}, strict=False, assign=True)
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    bound = {tensors[k].data_ptr() for k in tensors if k in expected}
+    missing = [k for k, p in model.named_parameters(remove_duplicate=False) if k not in tensors
+               and not (p.data_ptr() in bound and p.numel() > 0)]
+    if missing:
+        raise ModelLoadError(f"checkpoint {where} lacks weights for {len(missing)} tensors, e.g. {missing[:3]}")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.eval()
 
-    path = Path(spec)
-    if path.exists():
-        config = read_config(path)
-        arch = architecture_of(config, str(path / "config.json"))
-        check_config_bounds(config, str(path / "config.json") if path.is_dir() else str(path))
-        _check_weight_files(path)
-        source: str = str(path)
-    else:
-        arch = ""
-        source = spec
+
+def stored_dtype(model: torch.nn.Module) -> str:
+    """The dtype most of a model's parameter bytes are stored in ("bfloat16", "float16", "float32")."""
+    by: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        by[p.dtype] = by.get(p.dtype, 0) + p.numel()
+    return str(max(by, key=lambda d: by[d])).removeprefix("torch.") if by else "float32"
+
+
+def _from_pretrained(source: str, spec: str) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """transformers' own loader, in the checkpoint's stored dtype (a hub id, .bin checkpoints, renamed keys)."""
+    from transformers import AutoModelForCausalLM
+
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
-            source, dtype=torch.float32, attn_implementation="sdpa", output_loading_info=True
+            source, dtype="auto", attn_implementation="sdpa", output_loading_info=True
         )
     except ModelLoadError:
         raise
@@ -100,6 +158,46 @@ def load_hf(spec: str) -> tuple[torch.nn.Module, dict[str, Any], str, dict[str, 
     missing = [k for k in info.get("missing_keys", []) if not k.endswith("rotary_emb.inv_freq")]
     if missing:
         raise ModelLoadError(f"checkpoint {spec} lacks weights for {len(missing)} tensors, e.g. {missing[:3]}")
+    return model, info
+
+
+def load_hf(spec: str) -> tuple[torch.nn.Module, dict[str, Any], str, dict[str, Any] | None]:
+    """Load (model, config dict, architecture, tokenizer source) from a checkpoint dir or hub id.
+
+    A directory of safetensors files is mapped and its tensors bound in their stored dtype
+    (:func:`model_from_tensors`): nothing is copied or widened; capture widens what the graph computes with.
+    Checkpoints whose tensor names this model does not have (older layouts transformers renames), ``.bin``
+    checkpoints and hub ids go through transformers' loader, also in their stored dtype.
+    """
+    from transformers import AutoConfig
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+    path = Path(spec)
+    model: torch.nn.Module | None = None
+    if path.exists():
+        config = read_config(path)
+        arch = architecture_of(config, str(path / "config.json"))
+        check_config_bounds(config, str(path / "config.json") if path.is_dir() else str(path))
+        _check_weight_files(path)
+        source: str = str(path)
+        if path.is_dir() and checkpoint_files(path):
+            try:
+                hf_config = AutoConfig.from_pretrained(source)
+            except Exception as e:
+                raise ModelLoadError(f"could not read the config of {spec!r}: {type(e).__name__}: {e}") from None
+            try:
+                model = model_from_tensors(hf_config, map_checkpoint(path), spec)
+            except ModelLoadError as e:
+                if "does not have" not in str(e):
+                    raise
+                model = None  # names of another layout: transformers knows the renames
+    else:
+        arch = ""
+        source = spec
+    if model is None:
+        model, _ = _from_pretrained(source, spec)
     config = model.config.to_dict()
     if not arch:
         arch = architecture_of(config, spec)

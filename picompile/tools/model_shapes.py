@@ -91,6 +91,9 @@ BUILTIN_MODELS: dict[str, ModelShape] = {
                    description="LLaMA-ReGLU-70B (meta-llama/Llama-2-70b shape, GQA 8 KV heads)"),
         ModelShape("llama2-7b", "llama", 32, 4096, 11008, 32, 32, 32000, True, "relu", max_seq_len=4096,
                    description="ReLU-LLaMA-7B (meta-llama/Llama-2-7b shape)"),
+        ModelShape("llama-7b-relu", "llama", 32, 4096, 11008, 32, 32, 32000, True, "relu", max_seq_len=2048,
+                   description="synthetic llama-7b-relu (python -m picompile.tools.synthetic llama-7b-relu: "
+                               "ReluLLaMA-7B shape, bfloat16)"),
         ModelShape("opt-1.3b", "opt", 24, 2048, 8192, 32, 32, 50272, False, "relu", bias=True, tied=True,
                    description="facebook/opt-1.3b (local benchmark shape)"),
         ModelShape("llama-1.1b", "llama", 22, 2048, 5632, 32, 4, 32000, True, "relu",

@@ -34,8 +34,31 @@ def summary_json(root: Path, m: Manifest) -> dict[str, Any]:
         "tokenizer": m.tokenizer,
         "layers": m.layers,
         "files": m.files,
+        **({"measured": m.measured} if m.measured else {}),
         **m.sections,
     }
+
+
+def measured_line(root: Path) -> str:
+    """"memory   peak RSS 4.20 GiB (estimated 5.0 GiB), build 95.0 s": what the build measured, or ""."""
+    from picompile.formats.artifact import read_manifest_json
+
+    try:
+        measured = read_manifest_json(Path(root)).get("measured")
+    except (ArtifactError, OSError):
+        return ""
+    if not isinstance(measured, dict):
+        return ""
+    num = {k: v for k, v in measured.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+           and 0 <= v < 2**62}
+    if "peak_rss_bytes" not in num:
+        return ""
+    text = f"memory   peak RSS {num['peak_rss_bytes'] / 2**30:.2f} GiB"
+    if "estimated_peak_bytes" in num:
+        text += f" (estimated {num['estimated_peak_bytes'] / 2**30:.1f} GiB)"
+    if "build_seconds" in num:
+        text += f", build {num['build_seconds']:.1f} s"
+    return text
 
 
 def load_profiles(root: Path, m: Manifest) -> list[LayerProfile]:
@@ -126,6 +149,8 @@ def inspect_artifact(root: Path, as_json: bool = False, graph: bool = False, ver
                   f"{model['n_layers']} layers, d_model {model['d_model']}, vocab {model['vocab_size']}, "
                   f"context {m.build.get('max_seq_len')}")
     console.print(f"target   {m.target['name']}: {m.target.get('description', '')}")
+    if line := measured_line(root):
+        console.print(line)
     console.print(f"pipeline {' → '.join(m.pipeline)}")
     console.print(f"graph    {m.graph['file']}: inputs input_ids + {m.graph['n_past']} KV tensors, "
                   f"{len(m.graph['weights'])} weight tensors")

@@ -41,6 +41,7 @@ from picompile.tools.synthetic_model import (
 )
 
 STATS_FILE: str = "synthetic_stats.json"
+STREAMED: frozenset[str] = frozenset({"llama-7b-relu"})  # generated layer by layer, written in bfloat16
 CARD_FILE: str = "SYNTHETIC.md"
 
 
@@ -161,12 +162,15 @@ def _card(params: SyntheticParams, shape: SyntheticShape, description: dict[str,
 
 
 def make_synthetic(shape: str, out: Path | str | None = None, seed: int = 0, active: float = 0.1, locality: float = 0.26,
-                   *, emit: Callable[[str], None] = lambda s: None, **options: Any) -> Path:
+                   *, emit: Callable[[str], None] = lambda s: None, streamed: bool | None = None,
+                   **options: Any) -> Path:
     """Write (or reuse) a synthetic activation-sparse HF checkpoint and return its directory.
 
     ``out`` None: ``default_cache_dir() / "synthetic" / NAME`` (NAME: the shape, plus non-default
     parameters). A directory already holding a checkpoint made with the same parameters is reused.
     ``options``: the other fields of :class:`SyntheticParams` (p_max, subspace_share, subspace_rank, …).
+    ``streamed`` (default: for the shapes in ``STREAMED``): generated and written layer by layer in bfloat16
+    shards (:func:`picompile.tools.synthetic_stream.write_synthetic_streamed`), never holding the model.
     """
     from picompile.config import default_cache_dir
 
@@ -178,15 +182,26 @@ def make_synthetic(shape: str, out: Path | str | None = None, seed: int = 0, act
         return out
     if out.exists() and any(out.iterdir()) and synthetic_params_of(out) is None:
         raise PicompileError(f"{out} exists and is not a synthetic checkpoint; refusing to overwrite it")
-    model, description = build_synthetic_model(params, emit=emit)
-    emit("measuring activation sparsity")
-    stats = measure_sparsity(model, n_tokens=256, seed=params.seed + 1)
-    model.config.picompile_synthetic = {**asdict(params), "synthetic": True, "like": SHAPES[shape].like,
-                                        "note": "random weights with controlled activation sparsity; not a language model"}
+    meta = {**asdict(params), "synthetic": True, "like": SHAPES[shape].like,
+            "note": "random weights with controlled activation sparsity; not a language model"}
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     try:
-        model.save_pretrained(staging, safe_serialization=True)
+        if streamed if streamed is not None else shape in STREAMED:
+            from picompile.tools.synthetic_model import _hf_config
+            from picompile.tools.synthetic_stream import write_synthetic_streamed
+
+            description, stats = write_synthetic_streamed(params, staging, emit=emit)
+            cfg = {**_hf_config(SHAPES[shape]).to_dict(), "architectures": ["LlamaForCausalLM"], "dtype": "bfloat16",
+                   "picompile_synthetic": {**meta, "streamed": True}}
+            (staging / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        else:
+            model, description = build_synthetic_model(params, emit=emit)
+            emit("measuring activation sparsity")
+            stats = measure_sparsity(model, n_tokens=256, seed=params.seed + 1)
+            model.config.picompile_synthetic = meta
+            model.save_pretrained(staging, safe_serialization=True)
+            del model
         (staging / STATS_FILE).write_text(json.dumps({"params": asdict(params), "generation": description,
                                                       "measured": stats}, indent=1) + "\n")
         (staging / CARD_FILE).write_text(_card(params, SHAPES[shape], description, stats))

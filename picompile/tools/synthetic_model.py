@@ -76,6 +76,10 @@ SHAPES: dict[str, SyntheticShape] = {
     # (benchmarks/gpu_check.py's hybrid check), the same passes, kernels and schedule
     "gpu-check-small": SyntheticShape("llama", 512, 1408, 4, 8, 4, 2048, 512,
                                       "llama-1b-relu's proportions at 1/4 width, 4 layers (gpu_check)"),
+    # ReluLLaMA-7B's shape (Llama-2-7B, ReLU): 6.7B parameters, generated layer by layer and stored in bfloat16
+    # (picompile.tools.synthetic_stream; 13.5 GB) since its float32 model would not fit a 24 GB machine
+    "llama-7b-relu": SyntheticShape("llama", 4096, 11008, 32, 32, 32, 32000, 2048,
+                                    "ReluLLaMA-7B shape (Llama-2-7B with ReLU), bfloat16"),
     "tiny-llama-relu": SyntheticShape("llama", 128, 1024, 2, 4, 2, 512, 256, "tests"),
     "tiny-opt": SyntheticShape("opt", 128, 1024, 2, 4, 4, 512, 256, "tests"),
 }

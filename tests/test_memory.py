@@ -1,0 +1,153 @@
+"""Real-scale models within memory: checkpoints read in their stored dtype and mapped, weights widened one at a
+time where the graph computes, artifacts written tensor by tensor and mapped by the runtime, the build's memory
+estimated and refused before loading."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import picompile
+from picompile.formats.tensorfile import map_safetensors, release_pages, write_safetensors
+from picompile.tools.synthetic_stream import ShardWriter, llama_config, write_random_checkpoint
+
+FILES = ("weights.safetensors", "profile.safetensors", "placement.safetensors", "graph.pt2")
+
+
+def _copy_as(src: Path, dst: Path, convert: "callable", shard_bytes: int | None = None) -> Path:
+    """``src``'s checkpoint with every tensor ``convert``ed (sharded with an index when ``shard_bytes``)."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, dst / f.name)
+    tensors = {k: convert(v) for k, v in load_file(str(src / "model.safetensors")).items()}
+    if shard_bytes is None:
+        save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        writer = ShardWriter(dst, shard_bytes)
+        for k, v in tensors.items():
+            writer.add(k, v)
+        assert len(writer.close()) > 1
+    return dst
+
+
+def test_tensorfile_writes_save_files_bytes_and_maps_them(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(0)
+    tensors = {"b": torch.randn(3, 5, generator=g).bfloat16(), "a": torch.randn(2, 2, generator=g),
+               "c": torch.arange(3), "h": torch.randn(7, generator=g).half(), "e": torch.zeros(0, 3),
+               "t": torch.randn(4, 4, generator=g).t()}
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "ref"), metadata={"format": "pt"})
+    write_safetensors(tmp_path / "mine", tensors, metadata={"format": "pt"})
+    assert (tmp_path / "mine").read_bytes() == (tmp_path / "ref").read_bytes()
+    write_safetensors(tmp_path / "aligned", tensors, align=64)
+    for name in ("mine", "aligned"):
+        mapped = map_safetensors(tmp_path / name)
+        assert sorted(mapped) == sorted(tensors)
+        assert all(torch.equal(mapped[k], v) and mapped[k].dtype == v.dtype for k, v in tensors.items())
+    mapped = map_safetensors(tmp_path / "aligned")
+    assert all(t.data_ptr() % 64 == 0 for t in mapped.values() if t.numel())
+    assert sorted(k for k in load_file(str(tmp_path / "aligned")) if not k.startswith("__")) == sorted(tensors)
+    release_pages()  # dropped pages are read back from the file
+    assert torch.equal(mapped["b"], tensors["b"])
+
+
+@pytest.mark.parametrize("dtype", ["float16", pytest.param("float32", marks=pytest.mark.slow)])
+def test_bf16_checkpoint_builds_the_float32_models_artifact(dtype: str, checkpoints: dict, tmp_path: Path) -> None:
+    """A bfloat16 checkpoint (sharded, mapped, weights widened one at a time as the graph reads them) builds the
+    very artifact of the float32 checkpoint holding the same values: weights, graph, and the profile exactly."""
+    src = checkpoints[("llama", "relu")]
+    bf16 = _copy_as(src, tmp_path / "bf16", lambda t: t.bfloat16(), shard_bytes=20_000)
+    f32 = _copy_as(src, tmp_path / "f32", lambda t: t.bfloat16().float())
+    from picompile.frontend import load_model
+
+    model, _ = load_model(str(bf16))
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    arts = [picompile.build(d, output=tmp_path / f"{d.name}.pic", emit=lambda s: None, progress=False,
+                            pipeline="reference", weight_dtype=dtype) for d in (bf16, f32)]
+    for f in FILES:
+        assert (arts[0] / f).read_bytes() == (arts[1] / f).read_bytes(), f
+    section = json.loads((arts[0] / "manifest.json").read_text())["sections"]["capture"]
+    assert section["stored_dtype"] == "bfloat16"
+    assert (section["stored_bytes"] > 0) == (dtype == "float16")
+
+
+def test_mapped_artifact_gives_the_copied_ones_logits(artifacts: dict) -> None:
+    art = artifacts[("llama", "relu")]
+    ids = [3, 9, 27, 81, 11]
+    copied = picompile.load(art, hybrid="off")
+    mapped = picompile.load(art, hybrid="off", weights="mapped")
+    assert torch.equal(copied.logits(ids), mapped.logits(ids))
+    assert copied.generate(ids, max_new_tokens=4) == mapped.generate(ids, max_new_tokens=4)
+    if "realigned_bytes" in mapped.graph.meta:  # artifacts with kernels: weights written aligned, none copied
+        assert mapped.graph.meta["realigned_bytes"] == 0 and mapped.graph.meta["mapped_bytes"] > 0
+
+
+def test_build_over_max_memory_fails_before_loading(checkpoints: dict, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from picompile.cli import main
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(checkpoints[("llama", "relu")], d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=32, vocab_size=32000, dtype="bfloat16")  # a 7B shape over a tiny checkpoint: never read
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert main(["build", str(d), "-o", str(tmp_path / "a.pic"), "-q", "--weight-dtype", "float16",
+                 "--max-memory", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "this build needs about" in err and "more than --max-memory 8 GiB" in err and err.count("\n") == 1
+    assert "weights 1" in err  # 6.7B parameters in float16: about 13-14 GiB of weights
+    assert not (tmp_path / "a.pic").exists()
+
+
+CHILD = """
+import json, resource, sys
+import picompile, picompile.passes, picompile.frontend.hf  # noqa: F401  (what every build imports)
+base = int([l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1]) * 1024
+picompile.build(sys.argv[1], output=sys.argv[2], emit=lambda s: None, progress=False, weight_dtype="float16",
+                pipeline="reference", predictor="none", calibration_tokens=64)
+print(json.dumps({"base": base, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+def test_bf16_build_peak_rss_below_its_float32_size(tmp_path: Path) -> None:
+    """A ~210M-parameter bfloat16 checkpoint (written shard by shard) builds in a fresh process whose peak RSS,
+    above what the imports alone hold, stays below the model's float32 size (it was 2.5x that: every checkpoint
+    was read as float32, then copied by several passes)."""
+    cfg = llama_config(1024, 4096, 12, 16, 16, 4096, max_pos=512)
+    n = write_random_checkpoint(tmp_path / "ck", cfg, shard_bytes=64 << 20)
+    assert n > 200_000_000
+    out = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "ck"), str(tmp_path / "a.pic")],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    float32_bytes = 4 * n
+    assert r["peak"] - r["base"] < float32_bytes, (r, float32_bytes)
+    measured = json.loads((tmp_path / "a.pic" / "manifest.json").read_text())["measured"]
+    assert measured["peak_rss_bytes"] == r["peak"] and measured["estimated_peak_bytes"] > 0
+
+
+def test_streamed_synthetic_checkpoint_is_sharded_bf16_and_sparse(tmp_path: Path) -> None:
+    """The layer-by-layer generator (llama-7b-relu's) on the tiny shape: bfloat16 shards with an index, the
+    activation statistics it was asked for, reused when complete; the 7B shape is known to plan."""
+    from picompile.frontend import load_model
+    from picompile.tools.model_shapes import BUILTIN_MODELS
+    from picompile.tools.synthetic import STREAMED, load_stats, make_synthetic
+
+    path = make_synthetic("tiny-llama-relu", tmp_path / "s", streamed=True)
+    assert (path / "model.safetensors.index.json").is_file()
+    assert json.loads((path / "config.json").read_text())["picompile_synthetic"]["streamed"] is True
+    model, info = load_model(str(path))
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16} and info.n_layers == 2
+    assert all(0.05 < r["active"] < 0.2 for r in load_stats(path))
+    stamp = (path / "config.json").stat().st_mtime_ns
+    assert make_synthetic("tiny-llama-relu", tmp_path / "s", streamed=True) == path
+    assert (path / "config.json").stat().st_mtime_ns == stamp
+    assert "llama-7b-relu" in STREAMED
+    assert 6.6e9 < BUILTIN_MODELS["llama-7b-relu"].n_params < 6.9e9
