@@ -7,9 +7,18 @@ widened back). On a CPU with AMX, torch's bfloat16 GEMM (oneDNN) runs 2.4× its 
 float16 artifact's prefill runs at float32 speed. Costs: a bfloat16 copy of every weight it converts (the
 size of the float16 weights again), and the rounding — ~3e-3 relative error per GEMM output against
 ~3e-4 for float16 activations. Only the several-token (prefill) graph is rewritten; decode reads the
-artifact's own weights through its kernels.
+artifact's own weights through its kernels. A hybrid-scheduled FFN layer becomes one ``PrefillFFN``
+(``runtime/prefill_gemm.py``): up and gate of both parts in one GEMM, the down projection in nn.Linear layout.
+
+Which dtype prefill runs in (``choose``): ``prefill_dtype="auto"`` (the default) is bfloat16 for a float16
+artifact on a CPU with AVX512-BF16 and no native float16 GEMM (AMD Zen 4, Intel Cooper Lake), where the
+alternative is widening every weight to float32 per call, when the copy fits in the memory available with
+``RESERVE`` to spare; elsewhere the weights' own dtype (AMX CPUs keep their native float16 GEMM; float32
+artifacts keep float32). ``"weights"`` is the weights' own dtype, ``"bfloat16"`` forces the copy.
 """
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import fx
@@ -18,6 +27,7 @@ from picompile.errors import InputError
 from picompile.ir.graph import shared_copy
 from picompile.ir.ops import call_directly
 from picompile.ir.schema import arg_names, args_of, call_args, node_op
+from picompile.runtime.prefill_gemm import PrefillFFN, pack_ffn
 
 aten = torch.ops.aten
 _OPS = torch.ops.picompile
@@ -35,21 +45,76 @@ _WEIGHTS: dict[str, tuple[str, tuple[str, ...]]] = {
 _ATEN_LINEAR = {"input": "x", "weight": "w", "bias": "b"}  # aten.linear's argument names → picompile::linear's
 
 COMPUTE_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16}
+PREFILL_DTYPES: tuple[str, ...] = ("auto", "weights", *COMPUTE_DTYPES)  # what prefill_dtype may name (None: auto)
+# memory the "auto" copy must leave available: the larger of this and an eighth of the machine's memory
+RESERVE_BYTES = 2 << 30
+
+
+def has_bf16_gemm() -> bool:
+    """Whether torch's bfloat16 GEMM has a fast path here (oneDNN on AMX or AVX512-BF16)."""
+    return bool(torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
 
 
 def resolve(name: str | None) -> torch.dtype | None:
-    """``prefill_dtype`` → a torch dtype (None: the weights' own), failing with the reason where this CPU
-    has no fast path for it."""
-    if name is None:
+    """``prefill_dtype`` → a torch dtype (None: the weights' own, or "auto": decided by :func:`choose`),
+    failing with the reason where this CPU has no fast path for it."""
+    if name is None or name in ("auto", "weights"):
         return None
     dtype = COMPUTE_DTYPES.get(name)
     if dtype is None:
-        raise InputError(f"prefill_dtype must be one of {', '.join(COMPUTE_DTYPES)} (or None: the weights' "
-                         f"dtype), got {name!r}")
-    if not (torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()):
+        raise InputError(f"prefill_dtype must be one of {', '.join(PREFILL_DTYPES)} (or None: auto), got {name!r}")
+    if not has_bf16_gemm():
         raise InputError("prefill_dtype='bfloat16' needs a CPU with AMX or AVX512-BF16 (this one has neither: "
                          "its bfloat16 GEMMs would be slower than float32 ones)")
     return dtype
+
+
+def _meminfo() -> dict[str, int]:
+    """/proc/meminfo in bytes (empty where there is none)."""
+    try:
+        lines = open("/proc/meminfo").read().splitlines()
+    except OSError:
+        return {}
+    out = {}
+    for line in lines:
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts and parts[0].isdigit():
+            out[key] = int(parts[0]) * 1024
+    return out
+
+
+def choose(name: str | None, weight_dtype: str, copy_bytes: int) -> tuple[str | None, str]:
+    """The prefill dtype a load runs ("bfloat16", or None: the weights' own) and why, for ``prefill_dtype``
+    ``name`` on an artifact whose GEMM weights are ``weight_dtype``, a copy of which costs ``copy_bytes``."""
+    if name not in (None, "auto"):
+        resolve(name)
+        return (None, "prefill_dtype='weights'") if name == "weights" else (name, f"prefill_dtype={name!r}")
+    from picompile.ir.ops import native_half_gemm
+
+    if weight_dtype != "float16":
+        return None, f"auto: {weight_dtype} weights keep their dtype"
+    if native_half_gemm():
+        return None, "auto: this CPU has a native float16 GEMM (AMX)"
+    if not torch.cpu._is_avx512_bf16_supported():
+        return None, "auto: no AVX512-BF16 here (float16 weights widened to float32 per call)"
+    mem = _meminfo()
+    spare = mem.get("MemAvailable", 0) - copy_bytes
+    reserve = max(RESERVE_BYTES, mem.get("MemTotal", 0) // 8)
+    if spare < reserve:
+        return None, (f"auto: a bfloat16 copy ({copy_bytes / 2**30:.1f} GiB) would leave "
+                      f"{max(spare, 0) / 2**30:.1f} GiB available, under the {reserve / 2**30:.1f} GiB kept free "
+                      "(float16 weights widened to float32 per call)")
+    return "bfloat16", (f"auto: AVX512-BF16 without a native float16 GEMM; bfloat16 copy "
+                        f"{copy_bytes / 2**30:.1f} GiB")
+
+
+def choose_for(name: str | None, manifest: Any) -> tuple[str | None, str]:
+    """:func:`choose` for an artifact's manifest: its weights' dtype, the bytes of its weight file (a bound on
+    the copy: embeddings and norms are in it too, and stay as they are)."""
+    file = str(manifest.weights.get("file", ""))
+    return choose(name, str(manifest.weights.get("dtype", manifest.build.get("weight_dtype", "float32"))),
+                  int(manifest.files.get(file, {}).get("bytes", 0)))
 
 
 def _op_name(node: fx.Node) -> str | None:
@@ -69,6 +134,23 @@ def _named_args(node: fx.Node) -> dict[str, object]:
     names = [a.name for a in aten.linear.default._schema.arguments]  # input, weight, bias
     given = dict(zip(names, node.args), **node.kwargs)
     return {"b": None, **{_ATEN_LINEAR[k]: v for k, v in given.items()}}
+
+
+def _packed_call(gm: fx.GraphModule, node: fx.Node, fn: PrefillFFN, weights: dict[str, torch.Tensor | None]) -> None:
+    """``node`` (a HybridFFN) calls ``fn`` on ``weights`` (registered as buffers of ``gm``) and its own down bias."""
+    from picompile.runtime.hybrid import hybrid_args
+
+    given = hybrid_args(node)
+    args: list[object] = [given["x"]]
+    with gm.graph.inserting_before(node):
+        for key, w in weights.items():
+            if w is None:
+                args.append(None)
+                continue
+            attr = f"prefill_ffn_{fn.layer}_{key}"
+            gm.register_buffer(attr, w, persistent=False)
+            args.append(gm.graph.get_attr(attr))
+    node.target, node.args, node.kwargs = fn, (*args, given["bias"]), {}
 
 
 def with_compute_dtype(gm: fx.GraphModule, dtype: torch.dtype) -> fx.GraphModule:
@@ -93,6 +175,10 @@ def with_compute_dtype(gm: fx.GraphModule, dtype: torch.dtype) -> fx.GraphModule
         return converted[name]
 
     for node in list(out.graph.nodes):
+        packed = pack_ffn(out, node, dtype)
+        if packed is not None:
+            _packed_call(out, node, *packed)
+            continue
         op = _op_name(node)
         if op is None:
             continue
