@@ -27,7 +27,7 @@ from picompile.errors import InputError
 from picompile.ir.graph import shared_copy
 from picompile.ir.ops import call_directly
 from picompile.ir.schema import arg_names, args_of, call_args, node_op
-from picompile.runtime.prefill_gemm import PrefillFFN, pack_ffn
+from picompile.runtime.prefill_gemm import Packed, pack_ffn
 
 aten = torch.ops.aten
 _OPS = torch.ops.picompile
@@ -136,21 +136,22 @@ def _named_args(node: fx.Node) -> dict[str, object]:
     return {"b": None, **{_ATEN_LINEAR[k]: v for k, v in given.items()}}
 
 
-def _packed_call(gm: fx.GraphModule, node: fx.Node, fn: PrefillFFN, weights: dict[str, torch.Tensor | None]) -> None:
-    """``node`` (a HybridFFN) calls ``fn`` on ``weights`` (registered as buffers of ``gm``) and its own down bias."""
-    from picompile.runtime.hybrid import hybrid_args
-
-    given = hybrid_args(node)
-    args: list[object] = [given["x"]]
+def _packed_call(gm: fx.GraphModule, node: fx.Node, packed: Packed) -> None:
+    """``node`` (an FFN) calls ``packed.fn`` on its weights (registered as buffers of ``gm``), x and down bias."""
+    args: list[object] = [packed.x]
     with gm.graph.inserting_before(node):
-        for key, w in weights.items():
+        for key, w in packed.weights.items():
             if w is None:
                 args.append(None)
                 continue
-            attr = f"prefill_ffn_{fn.layer}_{key}"
+            attr = f"prefill_ffn_{packed.fn.layer}_{key}"
+            n = 0
+            while hasattr(gm, attr if not n else f"{attr}_{n}"):  # a layer's hot and cold parts, each packed
+                n += 1
+            attr = attr if not n else f"{attr}_{n}"
             gm.register_buffer(attr, w, persistent=False)
             args.append(gm.graph.get_attr(attr))
-    node.target, node.args, node.kwargs = fn, (*args, given["bias"]), {}
+    node.target, node.args, node.kwargs = packed.fn, (*args, packed.bias), {}
 
 
 def with_compute_dtype(gm: fx.GraphModule, dtype: torch.dtype) -> fx.GraphModule:
@@ -177,7 +178,7 @@ def with_compute_dtype(gm: fx.GraphModule, dtype: torch.dtype) -> fx.GraphModule
     for node in list(out.graph.nodes):
         packed = pack_ffn(out, node, dtype)
         if packed is not None:
-            _packed_call(out, node, *packed)
+            _packed_call(out, node, packed)
             continue
         op = _op_name(node)
         if op is None:

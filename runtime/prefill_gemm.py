@@ -1,6 +1,6 @@
 """Prefill's FFN as two GEMMs on packed copies: ``PrefillFFN`` and ``pack_ffn``.
 
-A hybrid-scheduled FFN layer (``runtime/hybrid.py``: hot part, cold part, merge; dense in prefill) costs prefill
+A split FFN layer (hot and cold parts; a hybrid-scheduled one, ``runtime/hybrid.py``, is one node) (``runtime/hybrid.py``: hot part, cold part, merge; dense in prefill) costs prefill
 four or six GEMMs in its stored layout: up and gate per part, then the down rows neuron-major (a transposed
 weight). Packed for prefill, the layer is one GEMM over ``[up_hot; up_cold; gate_hot; gate_cold]``
 (``[2·n_ff, d_model]``: up and gate fused, both parts in one) and one over the down projection in nn.Linear
@@ -10,13 +10,15 @@ converted weights once (decode keeps reading the artifact's own float16 rows).
 """
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, fx
 
 from picompile.ir.graph import get_tensor
 from picompile.ir.ops import apply_act
+from picompile.ir.schema import args_of, node_op
 
 
 class PrefillFFN:
@@ -50,44 +52,76 @@ class PrefillFFN:
         return f"PrefillFFN(layer={self.layer}, act={self.act}, n_ff={self.n_ff}, gated={self.gated})"
 
 
-def _cat(gm: fx.GraphModule, nodes: list[object]) -> Optional[Tensor]:
-    parts = [get_tensor(gm, n) for n in nodes if n is not None]  # type: ignore[arg-type]
+@dataclass
+class Packed:
+    """An FFN node's prefill form: the ``PrefillFFN`` to call, its packed weights (``w_in``, ``b_in``, ``w_out``)
+    and the graph inputs it keeps (``x``, the down bias ``bias``)."""
+
+    fn: PrefillFFN
+    weights: dict[str, Optional[Tensor]]
+    x: fx.Node
+    bias: Optional[fx.Node]
+
+
+def _cat(gm: fx.GraphModule, nodes: list[Any]) -> Optional[Tensor]:
+    parts = [get_tensor(gm, n) for n in nodes if n is not None]
     return torch.cat(parts) if parts else None
 
 
-def pack_ffn(gm: fx.GraphModule, node: fx.Node, dtype: torch.dtype) -> Optional[tuple[PrefillFFN, dict[str, Optional[Tensor]]]]:
-    """A dense HybridFFN node (no masks) as a ``PrefillFFN`` and its packed weights in ``dtype``
-    (``w_in``, ``b_in``, ``w_out``; the down bias stays the node's own ``bias`` input), or None where the node is not that (a mask left, a part
-    without a partition op)."""
+def _parts(node: fx.Node) -> Optional[tuple[list[dict[str, Any]], Any, Optional[fx.Node], str, int]]:
+    """The mask-free FFN parts a node computes, as dicts of weight nodes (w_up, b_up, w_gate, and w_down_t
+    [k, d_model] or w_down [d_model, k]), with its x, down bias, activation and layer; None for any other node."""
     from picompile.runtime.hybrid import HybridFFN, hybrid_args
     from picompile.runtime.partitions import EmptyPartition, InlinePartition, ThreadPartition
 
     target = node.target
-    if not isinstance(target, HybridFFN):
+    if isinstance(target, HybridFFN):
+        a = hybrid_args(node)
+        if a["mask_h"] is not None or a["mask_c"] is not None:
+            return None
+        live = [(p, s) for p, s in ((target.hot, "_h"), (target.cold, "_c")) if not isinstance(p, EmptyPartition)]
+        if not live or not all(isinstance(p, (InlinePartition, ThreadPartition)) for p, _ in live):
+            return None  # a part on the GPU (CudaPartition) keeps its scheduler: its weights live there
+        acts = {str(p.part.consts["act"]) for p, _ in live}  # type: ignore[attr-defined]
+        if len(acts) != 1:
+            return None
+        parts = [{k: a[f"{k}{s}"] for k in ("w_up", "b_up", "w_gate", "w_down_t")} for _, s in live]
+        return parts, a["x"], a["bias"], acts.pop(), target.layer
+    op = node_op(node) if node.op == "call_function" else None
+    if op not in ("ffn", "sparse_ffn", "tvm_sparse_ffn"):
         return None
-    a = hybrid_args(node)
-    if a["mask_h"] is not None or a["mask_c"] is not None:
+    a = args_of(node)
+    if a["mask"] is not None:
         return None
-    parts = [(p, s) for p, s in ((target.hot, "_h"), (target.cold, "_c")) if not isinstance(p, EmptyPartition)]
-    if not parts or not all(isinstance(p, (InlinePartition, ThreadPartition)) for p, _ in parts):
-        return None  # a part on the GPU (CudaPartition) keeps its scheduler: its weights live there
-    ops = [p.part for p, _ in parts]  # type: ignore[attr-defined]
-    act = str(ops[0].consts["act"])  # type: ignore[union-attr]
-    gated = [a[f"w_gate{s}"] is not None for _, s in parts]
-    if len(set(gated)) != 1 or any(op.consts["act"] != act for op in ops):  # type: ignore[union-attr]
+    if op == "ffn":
+        part = {k: a[k] for k in ("w_up", "b_up", "w_gate", "w_down")}
+        return [part], a["x"], a["b_down"], str(a["act"]), int(a["layer"])
+    return [{k: a[k] for k in ("w_up", "b_up", "w_gate", "w_down_t")}], a["x"], None, str(a["act"]), int(a["layer"])
+
+
+def pack_ffn(gm: fx.GraphModule, node: fx.Node, dtype: torch.dtype) -> Optional[Packed]:
+    """A mask-free FFN node of ``gm`` (a HybridFFN: both parts in one; a sparse_ffn / tvm_sparse_ffn part; an
+    ffn) as a ``PrefillFFN`` on weights packed in ``dtype``, or None where it is not one (a mask left, a part on
+    the GPU, a part without rows, parts that differ in gating, activation or up bias)."""
+    found = _parts(node)
+    if found is None:
         return None
-    sfx = [s for _, s in parts]
-    up = _cat(gm, [a[f"w_up{s}"] for s in sfx])  # [n_ff, d_model]
-    assert up is not None
+    parts, x, bias, act, layer = found
+    gated = {p["w_gate"] is not None for p in parts}
+    with_bias = {p["b_up"] is not None for p in parts}
+    if len(gated) != 1 or len(with_bias) != 1:
+        return None
+    up = _cat(gm, [p["w_up"] for p in parts])  # [n_ff, d_model]
+    if up is None or up.shape[0] == 0:
+        return None
     n_ff = int(up.shape[0])
-    w_in = torch.cat([up, _cat(gm, [a[f"w_gate{s}"] for s in sfx])]) if gated[0] else up  # type: ignore[list-item]
-    b_up = [a[f"b_up{s}"] for s in sfx]
-    b_in = _cat(gm, b_up) if all(b is not None for b in b_up) else None
-    if b_in is None and any(b is not None for b in b_up):
-        return None  # one part with an up bias, one without: not one GEMM's bias
-    w_out = _cat(gm, [a[f"w_down_t{s}"] for s in sfx])  # [n_ff, d_model] neuron-major
-    assert w_out is not None
+    w_in = torch.cat([up, _cat(gm, [p["w_gate"] for p in parts])]) if gated.pop() else up  # type: ignore[list-item]
+    b_in = _cat(gm, [p["b_up"] for p in parts])  # [n_ff] or None
+    if "w_down" in parts[0]:
+        w_out = get_tensor(gm, parts[0]["w_down"])  # [d_model, n_ff] already
+    else:
+        w_out = _cat(gm, [p["w_down_t"] for p in parts]).t()  # type: ignore[union-attr]  # [n_ff, d_model] → [d_model, n_ff]
     weights = {"w_in": w_in.to(dtype).contiguous(),  # [2·n_ff | n_ff, d_model]
                "b_in": None if b_in is None else b_in.float(),  # [n_ff]
-               "w_out": w_out.t().to(dtype).contiguous()}  # [d_model, n_ff]
-    return PrefillFFN(target.layer, act, n_ff, gated[0]), weights
+               "w_out": w_out.to(dtype).contiguous()}  # [d_model, n_ff]
+    return Packed(PrefillFFN(layer, act, n_ff, w_in.shape[0] != n_ff), weights, x, bias)

@@ -1,5 +1,6 @@
 """prefill_dtype="bfloat16" (runtime/compute_dtype.py): the prefill graph's linear and FFN ops read bfloat16
-copies of their weights (the TVM-lowered ones become reference ops), the decode graph is untouched, the
+copies of their weights (the TVM-lowered linears become reference ops, the FFNs packed PrefillFFNs), "auto"
+picks it only where it pays and fits, the decode graph is untouched, the
 prompt's logits stay within bfloat16 rounding of the default prefill's, and a CPU or a name it cannot serve
 fails before anything is loaded."""
 from __future__ import annotations
@@ -43,6 +44,10 @@ def test_rewrite_structure(f16_cpu_artifact: Path) -> None:
     calls = [n for n in low.graph.nodes if n.op == "call_function"]
     # the kernels read float16: no lowered op is left, each became its reference op
     assert not [n for n in calls if is_picompile_op(n.target, "tvm_linear") or is_picompile_op(n.target, "tvm_sparse_ffn")]
+    # each FFN part with rows is one PrefillFFN (up and gate fused), the empty ones reference ops
+    n_parts = sum(is_picompile_op(n.target, "tvm_sparse_ffn") and get_tensor(prefill, n.args[1]).shape[0] > 0
+                  for n in prefill.graph.nodes)
+    assert n_parts > 0 and sum(isinstance(n.target, PrefillFFN) for n in calls) == n_parts
     n_lin = sum(is_picompile_op(n.target, "tvm_linear") for n in prefill.graph.nodes)
     assert n_lin > 0 and sum(is_picompile_op(n.target, "linear") for n in calls) == n_lin
     weights = _gemm_weights(low)
