@@ -1,6 +1,12 @@
 """Prefill of a float16 artifact per prefill path, side by side in one process (or one path per process).
 
     python benchmarks/prefill.py ART [--prompt-len 64,512] [--rounds 5] [--settings auto,weights,float16,bfloat16]
+    python benchmarks/prefill.py --gemm [--prompt-len 64,512] [--rounds 5] [--shape 2048,5632]
+
+``--gemm``: each prefill GEMM path alone on the FFN's up shape ``[rows, d_model] × [n_ff, d_model]ᵀ`` (GFLOP/s,
+interleaved rounds, medians): float32 weights (MKL), float16 widened per call (``ops.lin``'s path here),
+torch's float16 GEMM, bfloat16 weights (oneDNN), the same pre-packed in oneDNN's blocked layout, and the
+packed FFN's fused up+gate ``[2·n_ff, d_model]`` and down ``[d_model, n_ff]`` GEMMs.
 
 ``weights``: ``prefill_dtype="weights"``, the artifact's own dtype — on CPUs without a native float16 GEMM
 (``picompile.ir.ops.native_half_gemm``: AMD EPYC, Intel without AMX) ``ops.lin`` widens each float16 weight to
@@ -26,13 +32,59 @@ from picompile.ir import ops
 SETTINGS = ("auto", "weights", "float16", "bfloat16")
 
 
+def gemm_table(rows_list: list[int], d_model: int, n_ff: int, rounds: int) -> None:
+    """Print GFLOP/s per GEMM path and row count (interleaved rounds, medians)."""
+    gen = torch.Generator().manual_seed(0)
+    w16 = (torch.randn(n_ff, d_model, generator=gen) * 0.02).half()  # [n_ff, d_model]
+    w32, wbf = w16.float(), w16.bfloat16()
+    upgate = torch.cat([wbf, wbf])  # [2·n_ff, d_model]
+    down = (torch.randn(d_model, n_ff, generator=gen) * 0.02).bfloat16()  # [d_model, n_ff]
+    lin = torch.nn.functional.linear
+    mk = torch.ops.mkldnn
+    for rows in rows_list:
+        x = torch.randn(rows, d_model, generator=gen)  # [rows, d_model]
+        h = torch.randn(rows, n_ff, generator=gen).bfloat16()  # [rows, n_ff]
+        flop = 2 * rows * d_model * n_ff
+        paths = {"float32 weights (MKL)": (lambda: lin(x, w32), flop),
+                 "float16 widened per call": (lambda: lin(x, w16.float()), flop),
+                 "float16 GEMM (torch)": (lambda: lin(x.half(), w16).float(), flop),
+                 "bfloat16 weights (oneDNN)": (lambda: lin(x.bfloat16(), wbf).float(), flop),
+                 "bfloat16 fused up+gate": (lambda: lin(x.bfloat16(), upgate), 2 * flop),
+                 "bfloat16 down [d, n_ff]": (lambda: lin(h, down), flop)}
+        try:
+            packed = mk._reorder_linear_weight(wbf, rows)
+            paths["bfloat16 oneDNN-packed"] = (lambda: mk._linear_pointwise(x.bfloat16(), packed, None, "none", [], "").float(), flop)
+        except (RuntimeError, AttributeError) as e:
+            print(f"oneDNN packing unavailable: {e}")
+        times: dict[str, list[float]] = {k: [] for k in paths}
+        for f, _ in paths.values():
+            f()  # warm
+        for _ in range(rounds):
+            for k, (f, _) in paths.items():
+                start = time.perf_counter()
+                f()
+                times[k].append(time.perf_counter() - start)
+        for k, (_, fl) in paths.items():
+            med = statistics.median(times[k])
+            print(f"rows {rows:4d}  {k:28s} {med * 1e3:8.2f} ms  {fl / med / 1e9:7.1f} GFLOP/s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("artifact")
+    ap.add_argument("artifact", nargs="?")
+    ap.add_argument("--gemm", action="store_true", help="the GEMM paths alone (no artifact)")
+    ap.add_argument("--shape", default="2048,5632", help="--gemm: d_model,n_ff (default the 1B's)")
     ap.add_argument("--prompt-len", default="64,512", help="comma-separated prompt lengths (default 64,512)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--settings", default="auto,weights", help=f"comma-separated, of {', '.join(SETTINGS)}")
     args = ap.parse_args()
+    if args.gemm:
+        d_model, n_ff = (int(v) for v in args.shape.split(","))
+        print(f"torch threads {torch.get_num_threads()}; native float16 GEMM: {ops.native_half_gemm()}")
+        gemm_table([int(v) for v in args.prompt_len.split(",")], d_model, n_ff, args.rounds)
+        return
+    if not args.artifact:
+        raise SystemExit("an artifact, or --gemm")
     names = [v.strip() for v in args.settings.split(",") if v.strip()]
     unknown = set(names) - set(SETTINGS)
     if unknown or not names:
