@@ -13,11 +13,13 @@ artifact's own weights through its kernels. A hybrid-scheduled FFN layer becomes
 Which dtype prefill runs in (``choose``): ``prefill_dtype="auto"`` (the default) is bfloat16 for a float16
 artifact on a CPU with AVX512-BF16 and no native float16 GEMM (AMD Zen 4, Intel Cooper Lake), where the
 alternative is widening every weight to float32 per call, when the copy fits in the memory available with
-``RESERVE`` to spare; elsewhere the weights' own dtype (AMX CPUs keep their native float16 GEMM; float32
+``RESERVE_BYTES`` to spare (and the artifact has kernels: the reference pipeline's keeps exact reference math);
+elsewhere the weights' own dtype (AMX CPUs keep their native float16 GEMM; float32
 artifacts keep float32). ``"weights"`` is the weights' own dtype, ``"bfloat16"`` forces the copy.
 """
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -84,14 +86,17 @@ def _meminfo() -> dict[str, int]:
     return out
 
 
-def choose(name: str | None, weight_dtype: str, copy_bytes: int) -> tuple[str | None, str]:
+def choose(name: str | None, weight_dtype: str, copy_bytes: int, kernels: bool = True) -> tuple[str | None, str]:
     """The prefill dtype a load runs ("bfloat16", or None: the weights' own) and why, for ``prefill_dtype``
-    ``name`` on an artifact whose GEMM weights are ``weight_dtype``, a copy of which costs ``copy_bytes``."""
+    ``name`` on an artifact whose GEMM weights are ``weight_dtype``, a copy of which costs ``copy_bytes``;
+    ``kernels``: the artifact has TVM kernels (without, it is the reference pipeline's: exact reference math)."""
     if name not in (None, "auto"):
         resolve(name)
         return (None, "prefill_dtype='weights'") if name == "weights" else (name, f"prefill_dtype={name!r}")
     from picompile.ir.ops import native_half_gemm
 
+    if not kernels:
+        return None, "auto: an artifact of reference ops (no kernels) keeps the reference math"
     if weight_dtype != "float16":
         return None, f"auto: {weight_dtype} weights keep their dtype"
     if native_half_gemm():
@@ -114,7 +119,7 @@ def choose_for(name: str | None, manifest: Any) -> tuple[str | None, str]:
     the copy: embeddings and norms are in it too, and stay as they are)."""
     file = str(manifest.weights.get("file", ""))
     return choose(name, str(manifest.weights.get("dtype", manifest.build.get("weight_dtype", "float32"))),
-                  int(manifest.files.get(file, {}).get("bytes", 0)))
+                  int(manifest.files.get(file, {}).get("bytes", 0)), bool(manifest.sections.get("kernels")))
 
 
 def _op_name(node: fx.Node) -> str | None:
@@ -137,21 +142,28 @@ def _named_args(node: fx.Node) -> dict[str, object]:
 
 
 def _packed_call(gm: fx.GraphModule, node: fx.Node, packed: Packed) -> None:
-    """``node`` (an FFN) calls ``packed.fn`` on its weights (registered as buffers of ``gm``), x and down bias."""
-    args: list[object] = [packed.x]
+    """``node`` (an FFN) becomes one ``PrefillFFN`` call per part on its packed weights (registered as buffers
+    of ``gm``), summed as ``merge`` does: hot + cold, then the down bias."""
+    out: fx.Node | None = None
     with gm.graph.inserting_before(node):
-        for key, w in packed.weights.items():
-            if w is None:
-                args.append(None)
-                continue
-            attr = f"prefill_ffn_{packed.fn.layer}_{key}"
-            n = 0
-            while hasattr(gm, attr if not n else f"{attr}_{n}"):  # a layer's hot and cold parts, each packed
-                n += 1
-            attr = attr if not n else f"{attr}_{n}"
-            gm.register_buffer(attr, w, persistent=False)
-            args.append(gm.graph.get_attr(attr))
-    node.target, node.args, node.kwargs = packed.fn, (*args, packed.bias), {}
+        for i, (fn, weights) in enumerate(packed.parts):
+            args: list[object] = [packed.x]
+            for key, w in weights.items():
+                attr = f"prefill_ffn_{fn.layer}_{i}_{key}"
+                while hasattr(gm, attr):  # an unscheduled layer's hot and cold parts are two nodes
+                    attr += "_"
+                if w is None:
+                    args.append(None)
+                    continue
+                gm.register_buffer(attr, w, persistent=False)
+                args.append(gm.graph.get_attr(attr))
+            y = gm.graph.call_function(fn, (*args, None))
+            out = y if out is None else gm.graph.call_function(operator.add, (out, y))
+        assert out is not None
+        if packed.bias is not None:
+            out = gm.graph.call_function(operator.add, (out, packed.bias))
+    node.replace_all_uses_with(out)
+    gm.graph.erase_node(node)
 
 
 def with_compute_dtype(gm: fx.GraphModule, dtype: torch.dtype) -> fx.GraphModule:

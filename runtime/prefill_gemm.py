@@ -54,23 +54,18 @@ class PrefillFFN:
 
 @dataclass
 class Packed:
-    """An FFN node's prefill form: the ``PrefillFFN`` to call, its packed weights (``w_in``, ``b_in``, ``w_out``)
-    and the graph inputs it keeps (``x``, the down bias ``bias``)."""
+    """An FFN node's prefill form: a ``PrefillFFN`` and its packed weights (``w_in``, ``b_in``, ``w_out``) per
+    part with rows, and the graph inputs it keeps (``x``, the down bias ``bias``)."""
 
-    fn: PrefillFFN
-    weights: dict[str, Optional[Tensor]]
+    parts: list[tuple[PrefillFFN, dict[str, Optional[Tensor]]]]
     x: fx.Node
     bias: Optional[fx.Node]
 
 
-def _cat(gm: fx.GraphModule, nodes: list[Any]) -> Optional[Tensor]:
-    parts = [get_tensor(gm, n) for n in nodes if n is not None]
-    return torch.cat(parts) if parts else None
-
-
-def _parts(node: fx.Node) -> Optional[tuple[list[dict[str, Any]], Any, Optional[fx.Node], str, int]]:
-    """The mask-free FFN parts a node computes, as dicts of weight nodes (w_up, b_up, w_gate, and w_down_t
-    [k, d_model] or w_down [d_model, k]), with its x, down bias, activation and layer; None for any other node."""
+def _node_parts(node: fx.Node) -> Optional[tuple[list[dict[str, Any]], Any, Optional[fx.Node], str, int]]:
+    """The mask-free FFN parts with rows a node computes (HybridFFN: hot, then cold), as dicts of weight nodes
+    (w_up, b_up, w_gate, and w_down_t [k, d_model] or w_down [d_model, k]), with its x, down bias, activation
+    and layer; None for any other node."""
     from picompile.runtime.hybrid import HybridFFN, hybrid_args
     from picompile.runtime.partitions import EmptyPartition, InlinePartition, ThreadPartition
 
@@ -99,29 +94,33 @@ def _parts(node: fx.Node) -> Optional[tuple[list[dict[str, Any]], Any, Optional[
     return [{k: a[k] for k in ("w_up", "b_up", "w_gate", "w_down_t")}], a["x"], None, str(a["act"]), int(a["layer"])
 
 
+def _pack_part(gm: fx.GraphModule, part: dict[str, Any], act: str, layer: int,
+               dtype: torch.dtype) -> Optional[tuple[PrefillFFN, dict[str, Optional[Tensor]]]]:
+    up = get_tensor(gm, part["w_up"])  # [k, d_model]
+    if up.shape[0] == 0:
+        return None
+    n_ff = int(up.shape[0])
+    gated = part["w_gate"] is not None
+    w_in = torch.cat([up, get_tensor(gm, part["w_gate"])]) if gated else up  # [2k | k, d_model]
+    b_in = None if part["b_up"] is None else get_tensor(gm, part["b_up"]).float()  # [k]
+    if "w_down" in part:
+        w_out = get_tensor(gm, part["w_down"])  # [d_model, k] already
+    else:
+        w_out = get_tensor(gm, part["w_down_t"]).t()  # [k, d_model] → [d_model, k]
+    weights = {"w_in": w_in.to(dtype).contiguous(), "b_in": b_in, "w_out": w_out.to(dtype).contiguous()}
+    return PrefillFFN(layer, act, n_ff, gated), weights
+
+
 def pack_ffn(gm: fx.GraphModule, node: fx.Node, dtype: torch.dtype) -> Optional[Packed]:
-    """A mask-free FFN node of ``gm`` (a HybridFFN: both parts in one; a sparse_ffn / tvm_sparse_ffn part; an
-    ffn) as a ``PrefillFFN`` on weights packed in ``dtype``, or None where it is not one (a mask left, a part on
-    the GPU, a part without rows, parts that differ in gating, activation or up bias)."""
-    found = _parts(node)
+    """A mask-free FFN node of ``gm`` (a HybridFFN; a sparse_ffn / tvm_sparse_ffn part; an ffn) as one
+    ``PrefillFFN`` per part with rows, on weights packed in ``dtype``; None where it is not one (a mask left, a
+    part on the GPU, no rows). Parts stay apart, summed as ``merge`` does (hot + cold, then the bias), so a
+    layer computes the same whatever its hybrid mode."""
+    found = _node_parts(node)
     if found is None:
         return None
     parts, x, bias, act, layer = found
-    gated = {p["w_gate"] is not None for p in parts}
-    with_bias = {p["b_up"] is not None for p in parts}
-    if len(gated) != 1 or len(with_bias) != 1:
+    packed = [p for p in (_pack_part(gm, part, act, layer, dtype) for part in parts) if p is not None]
+    if not packed:
         return None
-    up = _cat(gm, [p["w_up"] for p in parts])  # [n_ff, d_model]
-    if up is None or up.shape[0] == 0:
-        return None
-    n_ff = int(up.shape[0])
-    w_in = torch.cat([up, _cat(gm, [p["w_gate"] for p in parts])]) if gated.pop() else up  # type: ignore[list-item]
-    b_in = _cat(gm, [p["b_up"] for p in parts])  # [n_ff] or None
-    if "w_down" in parts[0]:
-        w_out = get_tensor(gm, parts[0]["w_down"])  # [d_model, n_ff] already
-    else:
-        w_out = _cat(gm, [p["w_down_t"] for p in parts]).t()  # type: ignore[union-attr]  # [n_ff, d_model] → [d_model, n_ff]
-    weights = {"w_in": w_in.to(dtype).contiguous(),  # [2·n_ff | n_ff, d_model]
-               "b_in": None if b_in is None else b_in.float(),  # [n_ff]
-               "w_out": w_out.to(dtype).contiguous()}  # [d_model, n_ff]
-    return Packed(PrefillFFN(layer, act, n_ff, w_in.shape[0] != n_ff), weights, x, bias)
+    return Packed(packed, x, bias)

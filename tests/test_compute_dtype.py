@@ -132,6 +132,7 @@ def test_auto_is_bfloat16_only_where_it_pays_and_fits(monkeypatch: pytest.Monkey
     _cpu(monkeypatch, amx=False, bf16=True, available_gib=9)  # a 7B float16 model loaded: 24 - 13.5 - the rest
     dtype, why = choose(None, "float16", int(13.5 * gib))  # 9 - 13.5 GiB < 24 / 8 = 3 GiB kept free
     assert dtype is None and "13.5 GiB" in why and "under the 3.0 GiB kept free" in why
+    assert choose(None, "float16", 2 * gib, kernels=False)[0] is None  # the reference pipeline's artifact
     _cpu(monkeypatch, amx=True, bf16=True, available_gib=20)
     assert choose(None, "float16", 2 * gib) == (None, "auto: this CPU has a native float16 GEMM (AMX)")
     assert choose("bfloat16", "float16", 2 * gib)[0] == "bfloat16"  # asked for: still there
@@ -140,8 +141,9 @@ def test_auto_is_bfloat16_only_where_it_pays_and_fits(monkeypatch: pytest.Monkey
 
 
 def test_hybrid_ffn_becomes_two_packed_gemms(f16_cpu_artifact: Path) -> None:
-    """A dense hybrid-scheduled FFN layer becomes one PrefillFFN: up and gate of both parts in one bfloat16
-    weight, the down rows transposed to nn.Linear layout; its output is the HybridFFN's within bfloat16 rounding."""
+    """A dense hybrid-scheduled FFN layer becomes one PrefillFFN per part with rows (a CPU target: one, every
+    neuron): up and gate in one bfloat16 weight, the down rows transposed to nn.Linear layout; its output is the
+    HybridFFN's within bfloat16 rounding."""
     session = picompile.load(f16_cpu_artifact, prefill_dtype="weights")  # hybrid auto: inline here
     prefill = without_masks(session.graph)
     hybrid = [n for n in prefill.graph.nodes if isinstance(n.target, HybridFFN)]
@@ -152,6 +154,7 @@ def test_hybrid_ffn_becomes_two_packed_gemms(f16_cpu_artifact: Path) -> None:
     node, ref = packed[0], hybrid[0]
     fn = node.target
     x, w_in, b_in, w_out, bias = node.args
+    assert bias is None  # the down bias (if any) is added after the parts, as merge does
     w_in, w_out = get_tensor(low, w_in), get_tensor(low, w_out)
     d_model = w_in.shape[1]
     assert fn.gated and w_in.dtype == w_out.dtype == torch.bfloat16
