@@ -24,7 +24,9 @@ def load(path: str | Path, verify: bool = True, dense: bool = False, hybrid: str
     There "auto" resolving to "inline" loads "off" instead: the same computation, which the compiler sees through.
     ``prefill_dtype="bfloat16"`` runs the prompt's GEMMs in bfloat16 (AMX / AVX512-BF16 CPUs only; a
     bfloat16 copy of the weights it converts, ~3e-3 relative error per GEMM; see ``runtime/compute_dtype.py``);
-    decode is unchanged.
+    decode is unchanged. ``"auto"`` (or None, the default) picks bfloat16 for float16 artifacts on CPUs with
+    AVX512-BF16 and no native float16 GEMM where the copy fits in memory, else the weights' dtype
+    (``"weights"``); ``session.prefill_dtype`` / ``prefill_reason`` say which and why.
 
     The graph rewrites of the load are a named list of steps (``runtime/load_pipeline.py``), which these
     options decide and ``session.load_steps`` reports: ``print_after`` (step names, or "all") emits the
@@ -58,6 +60,9 @@ def load(path: str | Path, verify: bool = True, dense: bool = False, hybrid: str
         check_compiler()
     root = Path(path)
     manifest = read_manifest(root, verify=verify)
+    from picompile.runtime.compute_dtype import choose_for
+
+    prefill_dtype, prefill_reason = choose_for(prefill_dtype, manifest)  # "auto": per CPU, artifact and memory
     if compile:
         from picompile.runtime.compile import transparent_mode
         from picompile.targets import Target
@@ -74,7 +79,8 @@ def load(path: str | Path, verify: bool = True, dense: bool = False, hybrid: str
         from picompile.formats.tokenizers import load_tokenizer_entry
 
         tokenizer = load_tokenizer_entry(manifest.tokenizer, root)
-    return Session(root, manifest, graph, tokenizer, compile=compile, prefill_dtype=prefill_dtype, load_run=run)
+    return Session(root, manifest, graph, tokenizer, compile=compile, prefill_dtype=prefill_dtype, load_run=run,
+                   prefill_reason=prefill_reason)
 
 
 def _path(p: str | Path | None) -> Optional[Path]:

@@ -7,10 +7,22 @@ widened back). On a CPU with AMX, torch's bfloat16 GEMM (oneDNN) runs 2.4× its 
 float16 artifact's prefill runs at float32 speed. Costs: a bfloat16 copy of every weight it converts (the
 size of the float16 weights again), and the rounding — ~3e-3 relative error per GEMM output against
 ~3e-4 for float16 activations. Only the several-token (prefill) graph is rewritten; decode reads the
-artifact's own weights through its kernels. Quantized weights (int8 / int4 artifacts) get dequantized copies in
+artifact's own weights through its kernels. A hybrid-scheduled FFN layer becomes one ``PrefillFFN``
+(``runtime/prefill_gemm.py``): up and gate of both parts in one GEMM, the down projection in nn.Linear layout.
+
+Which dtype prefill runs in (``choose``): ``prefill_dtype="auto"`` (the default) is bfloat16 for a float16
+artifact on a CPU with AVX512-BF16 and no native float16 GEMM (AMD Zen 4, Intel Cooper Lake), where the
+alternative is widening every weight to float32 per call, when the copy fits in the memory available with
+``RESERVE_BYTES`` to spare (and the artifact has kernels: the reference pipeline's keeps exact reference math);
+elsewhere the weights' own dtype (AMX CPUs keep their native float16 GEMM; float32
+artifacts keep float32). ``"weights"`` is the weights' own dtype, ``"bfloat16"`` forces the copy.
+Quantized weights (int8 / int4 artifacts) get dequantized copies in
 ``dtype`` (their scales dropped from the prefill nodes): the memory of a bfloat16 model besides the quantized one.
 """
 from __future__ import annotations
+
+import operator
+from typing import Any
 
 import torch
 from torch import fx
@@ -20,6 +32,7 @@ from picompile.ir.graph import shared_copy
 from picompile.ir.ops import call_directly, deq
 from picompile.ir.patterns import SCALE_ARGS
 from picompile.ir.schema import arg_names, args_of, call_args, node_op
+from picompile.runtime.prefill_gemm import Packed, pack_ffn
 
 aten = torch.ops.aten
 _OPS = torch.ops.picompile
@@ -37,21 +50,79 @@ _WEIGHTS: dict[str, tuple[str, tuple[str, ...]]] = {
 _ATEN_LINEAR = {"input": "x", "weight": "w", "bias": "b"}  # aten.linear's argument names → picompile::linear's
 
 COMPUTE_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16}
+PREFILL_DTYPES: tuple[str, ...] = ("auto", "weights", *COMPUTE_DTYPES)  # what prefill_dtype may name (None: auto)
+# memory the "auto" copy must leave available: the larger of this and an eighth of the machine's memory
+RESERVE_BYTES = 2 << 30
+
+
+def has_bf16_gemm() -> bool:
+    """Whether torch's bfloat16 GEMM has a fast path here (oneDNN on AMX or AVX512-BF16)."""
+    return bool(torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
 
 
 def resolve(name: str | None) -> torch.dtype | None:
-    """``prefill_dtype`` → a torch dtype (None: the weights' own), failing with the reason where this CPU
-    has no fast path for it."""
-    if name is None:
+    """``prefill_dtype`` → a torch dtype (None: the weights' own, or "auto": decided by :func:`choose`),
+    failing with the reason where this CPU has no fast path for it."""
+    if name is None or name in ("auto", "weights"):
         return None
     dtype = COMPUTE_DTYPES.get(name)
     if dtype is None:
-        raise InputError(f"prefill_dtype must be one of {', '.join(COMPUTE_DTYPES)} (or None: the weights' "
-                         f"dtype), got {name!r}")
-    if not (torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()):
+        raise InputError(f"prefill_dtype must be one of {', '.join(PREFILL_DTYPES)} (or None: auto), got {name!r}")
+    if not has_bf16_gemm():
         raise InputError("prefill_dtype='bfloat16' needs a CPU with AMX or AVX512-BF16 (this one has neither: "
                          "its bfloat16 GEMMs would be slower than float32 ones)")
     return dtype
+
+
+def _meminfo() -> dict[str, int]:
+    """/proc/meminfo in bytes (empty where there is none)."""
+    try:
+        lines = open("/proc/meminfo").read().splitlines()
+    except OSError:
+        return {}
+    out = {}
+    for line in lines:
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts and parts[0].isdigit():
+            out[key] = int(parts[0]) * 1024
+    return out
+
+
+def choose(name: str | None, weight_dtype: str, copy_bytes: int, kernels: bool = True) -> tuple[str | None, str]:
+    """The prefill dtype a load runs ("bfloat16", or None: the weights' own) and why, for ``prefill_dtype``
+    ``name`` on an artifact whose GEMM weights are ``weight_dtype``, a copy of which costs ``copy_bytes``;
+    ``kernels``: the artifact has TVM kernels (without, it is the reference pipeline's: exact reference math)."""
+    if name not in (None, "auto"):
+        resolve(name)
+        return (None, "prefill_dtype='weights'") if name == "weights" else (name, f"prefill_dtype={name!r}")
+    from picompile.ir.ops import native_half_gemm
+
+    if not kernels:
+        return None, "auto: an artifact of reference ops (no kernels) keeps the reference math"
+    if weight_dtype != "float16":
+        return None, f"auto: {weight_dtype} weights keep their dtype"
+    if native_half_gemm():
+        return None, "auto: this CPU has a native float16 GEMM (AMX)"
+    if not torch.cpu._is_avx512_bf16_supported():
+        return None, "auto: no AVX512-BF16 here (float16 weights widened to float32 per call)"
+    mem = _meminfo()
+    spare = mem.get("MemAvailable", 0) - copy_bytes
+    reserve = max(RESERVE_BYTES, mem.get("MemTotal", 0) // 8)
+    if spare < reserve:
+        return None, (f"auto: a bfloat16 copy ({copy_bytes / 2**30:.1f} GiB) would leave "
+                      f"{max(spare, 0) / 2**30:.1f} GiB available, under the {reserve / 2**30:.1f} GiB kept free "
+                      "(float16 weights widened to float32 per call)")
+    return "bfloat16", (f"auto: AVX512-BF16 without a native float16 GEMM; bfloat16 copy "
+                        f"{copy_bytes / 2**30:.1f} GiB")
+
+
+def choose_for(name: str | None, manifest: Any) -> tuple[str | None, str]:
+    """:func:`choose` for an artifact's manifest: its weights' dtype, the bytes of its weight file (a bound on
+    the copy: embeddings and norms are in it too, and stay as they are)."""
+    file = str(manifest.weights.get("file", ""))
+    return choose(name, str(manifest.weights.get("dtype", manifest.build.get("weight_dtype", "float32"))),
+                  int(manifest.files.get(file, {}).get("bytes", 0)), bool(manifest.sections.get("kernels")))
 
 
 def _op_name(node: fx.Node) -> str | None:
@@ -71,6 +142,31 @@ def _named_args(node: fx.Node) -> dict[str, object]:
     names = [a.name for a in aten.linear.default._schema.arguments]  # input, weight, bias
     given = dict(zip(names, node.args), **node.kwargs)
     return {"b": None, **{_ATEN_LINEAR[k]: v for k, v in given.items()}}
+
+
+def _packed_call(gm: fx.GraphModule, node: fx.Node, packed: Packed) -> None:
+    """``node`` (an FFN) becomes one ``PrefillFFN`` call per part on its packed weights (registered as buffers
+    of ``gm``), summed as ``merge`` does: hot + cold, then the down bias."""
+    out: fx.Node | None = None
+    with gm.graph.inserting_before(node):
+        for i, (fn, weights) in enumerate(packed.parts):
+            args: list[object] = [packed.x]
+            for key, w in weights.items():
+                attr = f"prefill_ffn_{fn.layer}_{i}_{key}"
+                while hasattr(gm, attr):  # an unscheduled layer's hot and cold parts are two nodes
+                    attr += "_"
+                if w is None:
+                    args.append(None)
+                    continue
+                gm.register_buffer(attr, w, persistent=False)
+                args.append(gm.graph.get_attr(attr))
+            y = gm.graph.call_function(fn, (*args, None))
+            out = y if out is None else gm.graph.call_function(operator.add, (out, y))
+        assert out is not None
+        if packed.bias is not None:
+            out = gm.graph.call_function(operator.add, (out, packed.bias))
+    node.replace_all_uses_with(out)
+    gm.graph.erase_node(node)
 
 
 def with_compute_dtype(gm: fx.GraphModule, dtype: torch.dtype) -> fx.GraphModule:
@@ -107,6 +203,10 @@ def with_compute_dtype(gm: fx.GraphModule, dtype: torch.dtype) -> fx.GraphModule
         return converted[name]
 
     for node in list(out.graph.nodes):
+        packed = pack_ffn(out, node, dtype)
+        if packed is not None:
+            _packed_call(out, node, packed)
+            continue
         op = _op_name(node)
         if op is None:
             continue

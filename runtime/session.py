@@ -9,6 +9,7 @@ from torch import Tensor, fx
 
 from picompile.errors import InputError
 from picompile.formats.artifact import Manifest
+from picompile.runtime.compute_dtype import choose_for as choose_prefill_dtype
 from picompile.runtime.compute_dtype import resolve as resolve_compute_dtype
 from picompile.runtime.kv_cache import KVArenas
 from picompile.runtime.load_pipeline import LoadOptions, LoadRun, LoadState, session_steps
@@ -24,12 +25,14 @@ class Session:
     keeps its functional contract (it returns presents of its own). Prefill (several tokens in one step)
     is dense: every FFN neuron, no predictor (``dense_prefill``); decode (one token) runs the masks.
     ``prefill_dtype="bfloat16"`` computes prefill's GEMMs in bfloat16 on copies of their weights
-    (``runtime/compute_dtype.py``: AMX CPUs; faster, coarser, more memory); decode is unchanged.
+    (``runtime/compute_dtype.py``: AMX / AVX512-BF16 CPUs; faster, coarser, more memory); decode is unchanged.
+    ``"auto"`` / None (default): bfloat16 where ``compute_dtype.choose`` finds it pays, else the weights' dtype.
     """
 
     def __init__(self, root: Path, manifest: Manifest, graph: fx.GraphModule, tokenizer: Any | None, *,
                  compile: bool = False, kv_in_place: bool = True, dense_prefill: bool = True,
-                 prefill_dtype: str | None = None, load_run: LoadRun | None = None) -> None:
+                 prefill_dtype: str | None = None, load_run: LoadRun | None = None,
+                 prefill_reason: str | None = None) -> None:
         self.root = root
         self.manifest = manifest
         self.graph = graph  # the graph as loaded (inspect it, interpret it): functional, past in, presents out
@@ -44,7 +47,10 @@ class Session:
         self.eos_id: int | None = eos[0] if isinstance(eos, list) else eos
         self.last_logits: Tensor | None = None  # [n_generated, vocab]: what each generated token was chosen from
         resolve_compute_dtype(prefill_dtype)  # a bad dtype, or no fast path on this CPU: fails before any step
-        self.prefill_dtype = prefill_dtype
+        if prefill_reason is None:  # not chosen by picompile.load: "auto" / None decided here
+            prefill_dtype, prefill_reason = choose_prefill_dtype(prefill_dtype, manifest)
+        self.prefill_dtype: str | None = prefill_dtype  # the prompt's GEMM dtype ("bfloat16"), None: the weights'
+        self.prefill_reason: str = prefill_reason  # why (runtime/compute_dtype.choose)
         self._compiled = compile
         state = self._run_steps(LoadOptions(dense_prefill=dense_prefill, prefill_dtype=prefill_dtype,
                                             kv_in_place=kv_in_place, compile=compile), load_run)

@@ -1,5 +1,6 @@
 """prefill_dtype="bfloat16" (runtime/compute_dtype.py): the prefill graph's linear and FFN ops read bfloat16
-copies of their weights (the TVM-lowered ones become reference ops), the decode graph is untouched, the
+copies of their weights (the TVM-lowered linears become reference ops, the FFNs packed PrefillFFNs), "auto"
+picks it only where it pays and fits, the decode graph is untouched, the
 prompt's logits stay within bfloat16 rounding of the default prefill's, and a CPU or a name it cannot serve
 fails before anything is loaded."""
 from __future__ import annotations
@@ -13,7 +14,10 @@ import picompile
 from picompile.errors import InputError
 from picompile.ir.graph import get_tensor
 from picompile.ir.ops import is_picompile_op
-from picompile.runtime.compute_dtype import with_compute_dtype
+from picompile.runtime import compute_dtype
+from picompile.runtime.compute_dtype import choose, with_compute_dtype
+from picompile.runtime.hybrid import HybridFFN
+from picompile.runtime.prefill_gemm import PrefillFFN
 from picompile.runtime.loader import without_masks
 
 PROMPT = [5, 17, 33, 4, 99, 120, 7, 61, 2, 250, 31, 18]
@@ -40,6 +44,10 @@ def test_rewrite_structure(f16_cpu_artifact: Path) -> None:
     calls = [n for n in low.graph.nodes if n.op == "call_function"]
     # the kernels read float16: no lowered op is left, each became its reference op
     assert not [n for n in calls if is_picompile_op(n.target, "tvm_linear") or is_picompile_op(n.target, "tvm_sparse_ffn")]
+    # each FFN part with rows is one PrefillFFN (up and gate fused), the empty ones reference ops
+    n_parts = sum(is_picompile_op(n.target, "tvm_sparse_ffn") and get_tensor(prefill, n.args[1]).shape[0] > 0
+                  for n in prefill.graph.nodes)
+    assert n_parts > 0 and sum(isinstance(n.target, PrefillFFN) for n in calls) == n_parts
     n_lin = sum(is_picompile_op(n.target, "tvm_linear") for n in prefill.graph.nodes)
     assert n_lin > 0 and sum(is_picompile_op(n.target, "linear") for n in calls) == n_lin
     weights = _gemm_weights(low)
@@ -65,7 +73,7 @@ def test_bfloat16_prefill_logits(f16_cpu_artifact: Path, artifacts: dict, kind: 
     """Prompt logits within bfloat16 rounding of the default prefill's (not equal to them: the GEMMs did
     change dtype), the same top token nearly everywhere; decode then runs on the cache bf16 prefill wrote."""
     art = f16_cpu_artifact if kind == "float16" else artifacts[("llama", "relu")]  # float32: aten.linear weights
-    default = picompile.load(art)
+    default = picompile.load(art, prefill_dtype="weights")
     low = picompile.load(art, prefill_dtype="bfloat16")
     assert low.prefill_dtype == "bfloat16" and default.prefill_dtype is None
     want, got = default.logits(PROMPT), low.logits(PROMPT)  # [len(PROMPT), vocab]
@@ -77,12 +85,12 @@ def test_bfloat16_prefill_logits(f16_cpu_artifact: Path, artifacts: dict, kind: 
     d_want.feed(PROMPT), d_got.feed(PROMPT)
     step_want, step_got = d_want.feed([9]), d_got.feed([9])  # [1, vocab]
     assert float((step_got - step_want).norm() / step_want.norm()) < 2e-2
-    assert len(low.generate(PROMPT, max_new_tokens=4)) == 4
+    assert low.generate(PROMPT, max_new_tokens=6) == default.generate(PROMPT, max_new_tokens=6)  # greedy: same tokens
 
 
 def test_bad_prefill_dtype_fails_before_loading(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     missing = tmp_path / "nothing.pic"
-    with pytest.raises(InputError, match="prefill_dtype must be one of bfloat16.*'float8'"):
+    with pytest.raises(InputError, match="prefill_dtype must be one of auto, weights, bfloat16.*'float8'"):
         picompile.load(missing, prefill_dtype="float8")  # the name fails first, not the missing artifact
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
@@ -101,3 +109,61 @@ def test_cli_run_prefill_dtype(f16_cpu_artifact: Path, capsys: pytest.CaptureFix
     assert main(["run", str(f16_cpu_artifact), "--ids", "5,17,33", "-n", "3", "--json",
                  "--prefill-dtype", "bfloat16"]) == 0
     assert len(json.loads(capsys.readouterr().out)["ids"]) == 3
+
+
+def _cpu(monkeypatch: pytest.MonkeyPatch, amx: bool, bf16: bool, available_gib: float, total_gib: float = 24) -> None:
+    from picompile.ir import ops
+
+    monkeypatch.setattr(ops, "native_half_gemm", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16)
+    monkeypatch.setattr(compute_dtype, "_meminfo", lambda: {"MemAvailable": int(available_gib * 2**30),
+                                                            "MemTotal": int(total_gib * 2**30)})
+
+
+def test_auto_is_bfloat16_only_where_it_pays_and_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto: bfloat16 for float16 weights on AVX512-BF16 without a native float16 GEMM, when the copy leaves
+    the reserve free; the weights' dtype on AMX, without AVX512-BF16, for float32 weights, or short of memory."""
+    gib = 2**30
+    _cpu(monkeypatch, amx=False, bf16=True, available_gib=20)
+    assert choose(None, "float16", 2 * gib)[0] == "bfloat16" == choose("auto", "float16", 2 * gib)[0]
+    assert choose("weights", "float16", 2 * gib) == (None, "prefill_dtype='weights'")
+    assert choose(None, "float32", 2 * gib) == (None, "auto: float32 weights keep their dtype")
+    _cpu(monkeypatch, amx=False, bf16=True, available_gib=9)  # a 7B float16 model loaded: 24 - 13.5 - the rest
+    dtype, why = choose(None, "float16", int(13.5 * gib))  # 9 - 13.5 GiB < 24 / 8 = 3 GiB kept free
+    assert dtype is None and "13.5 GiB" in why and "under the 3.0 GiB kept free" in why
+    assert choose(None, "float16", 2 * gib, kernels=False)[0] is None  # the reference pipeline's artifact
+    _cpu(monkeypatch, amx=True, bf16=True, available_gib=20)
+    assert choose(None, "float16", 2 * gib) == (None, "auto: this CPU has a native float16 GEMM (AMX)")
+    assert choose("bfloat16", "float16", 2 * gib)[0] == "bfloat16"  # asked for: still there
+    _cpu(monkeypatch, amx=False, bf16=False, available_gib=20)
+    assert choose(None, "float16", 2 * gib)[0] is None
+
+
+def test_hybrid_ffn_becomes_two_packed_gemms(f16_cpu_artifact: Path) -> None:
+    """A dense hybrid-scheduled FFN layer becomes one PrefillFFN per part with rows (a CPU target: one, every
+    neuron): up and gate in one bfloat16 weight, the down rows transposed to nn.Linear layout; its output is the
+    HybridFFN's within bfloat16 rounding."""
+    session = picompile.load(f16_cpu_artifact, prefill_dtype="weights")  # hybrid auto: inline here
+    prefill = without_masks(session.graph)
+    hybrid = [n for n in prefill.graph.nodes if isinstance(n.target, HybridFFN)]
+    low = with_compute_dtype(prefill, torch.bfloat16)
+    packed = [n for n in low.graph.nodes if isinstance(n.target, PrefillFFN)]
+    assert hybrid and len(packed) == len(hybrid)
+    assert not [n for n in low.graph.nodes if isinstance(n.target, HybridFFN)]
+    node, ref = packed[0], hybrid[0]
+    fn = node.target
+    x, w_in, b_in, w_out, bias = node.args
+    assert bias is None  # the down bias (if any) is added after the parts, as merge does
+    w_in, w_out = get_tensor(low, w_in), get_tensor(low, w_out)
+    d_model = w_in.shape[1]
+    assert fn.gated and w_in.dtype == w_out.dtype == torch.bfloat16
+    assert w_in.shape == (2 * fn.n_ff, d_model) and w_out.shape == (d_model, fn.n_ff) and w_out.is_contiguous()
+    xs = torch.randn(1, 7, d_model, generator=torch.Generator().manual_seed(3))  # [1, seq, d_model]
+    args = [xs, *[get_tensor(prefill, a) if isinstance(a, torch.fx.Node) else a for a in ref.args[1:]]]
+    want = ref.target(*args)  # [1, 7, d_model]
+    got = fn(xs, w_in, None if b_in is None else get_tensor(low, b_in), w_out,
+             None if bias is None else get_tensor(low, bias))
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    rel = float((got - want).norm() / want.norm())
+    assert 0 < rel < 2e-2, rel

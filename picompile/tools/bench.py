@@ -182,7 +182,20 @@ def run_bench(
     rates = {eng.name: eng.rates(opts.prompt_len, opts.tokens) for eng in lineup.engines}
     result = _result(artifact, opts, lineup, rates, bandwidth, failed, traffic, load_before[0])
     result = _with_variants(result, opts, lineup, rates, prompt)
-    return _with_llama_cpp(result, opts, lineup, rates, prompt, emit)
+    result = _with_llama_cpp(result, opts, lineup, rates, prompt, emit)
+    return _with_gemm_probe(result, lineup)
+
+
+def _with_gemm_probe(result: dict[str, Any], lineup: Lineup) -> dict[str, Any]:
+    """``result`` plus the machine's GEMM rate on the model's prefill shape and prefill's own (``gemm_probe``)."""
+    from picompile.tools.gemm_probe import prefill_gemm_rate
+
+    try:
+        result.update(prefill_gemm_rate(lineup.session.manifest.model.get("config", {}), result["prompt_len"],
+                                        result["prefill_tokens_per_s"]))
+    except PicompileError:  # a config the shape reader does not know: no probe
+        pass
+    return result
 
 
 def _lineup(artifact: str | Path, opts: BenchOptions, emit: Emit) -> Lineup:

@@ -49,6 +49,7 @@ def _notes(result: dict[str, Any]) -> list[str]:
         lines.append(f"prefill_dtype={result['prefill_dtype']}: prefill {result['low_prefill_speedup']:.2f}x PyTorch "
                      f"(default {result['prefill_speedup']:.2f}x); its prompt logits against the default's: relative "
                      f"error {agree['relative_error']:.1e}, top token equal at {agree['top1_agreement']:.0%} of positions")
+    lines += _prefill_gemm_notes(result)
     if result.get("compiled"):
         native = (f"{result['native_kernel_calls']} kernel calls per decode step as C++ ops" if result["native_kernel_calls"]
                   else f"kernel calls through Python ({result['native_reason']})")
@@ -113,3 +114,21 @@ def _llama_cpp_notes(result: dict[str, Any]) -> list[str]:
                             f"{text['same_tokens_as_picompile']} of {result['tokens'] + 1}, to PyTorch's: first "
                             f"{text['same_tokens_as_pytorch']}"))
     return lines
+
+
+PREFILL_GEMM_WARN = 0.5  # prefill's GEMM rate under this share of the probe's best: a warning line
+
+
+def _prefill_gemm_notes(result: dict[str, Any]) -> list[str]:
+    """Prefill's GEMM rate against a bare GEMM of the FFN's shape measured in the same run
+    (``tools/gemm_probe.py``), as a warning when it is far below (a layout or per-call conversion losing it)."""
+    probe, rate = result.get("gemm_probe_gflops"), result.get("prefill_gemm_gflops")
+    if not probe or rate is None:
+        return []
+    dtype, best = max(probe.items(), key=lambda kv: kv[1])
+    each = ", ".join(f"{k} {v:.0f}" for k, v in probe.items())
+    text = (f"prefill GEMMs ran at {rate:.0f} GFLOP/s (all of prefill's time counted), {rate / best:.0%} of a bare "
+            f"{dtype} GEMM of the FFN's shape at prompt {result['prompt_len']} here ({each} GFLOP/s)")
+    if rate < PREFILL_GEMM_WARN * best:
+        return [f"[yellow]warning: {text}: a prefill GEMM path runs far below this machine's rate[/yellow]"]
+    return [f"[dim]{text}[/dim]"]
