@@ -98,7 +98,8 @@ def batch_graph(gm: fx.GraphModule, n_past: int, batch: int) -> tuple[fx.GraphMo
                 env[node] = shared[node]
             continue
         if node.op == "output":
-            outputs = [fx.map_arg(node.args[0][0], lambda a, env=env: env[a]) for env in envs]
+            (returned,) = node.args  # the arena graph returns (logits,)
+            outputs = [fx.map_arg(returned[0], lambda a, env=env: env[a]) for env in envs]
             continue
         if _batchable(node):
             a = args_of(node)
