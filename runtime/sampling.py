@@ -198,6 +198,8 @@ class Generation:
             return tid
         if self.text_stream is not None:
             self._release(self.stop.push(self.text_stream.push(tid)))
+        else:  # no tokenizer: the ids, space-separated (as ``picompile run`` prints them)
+            self._release(self.stop.push(f"{' ' if len(self.tokens) > 1 else ''}{tid}"))
         if self.stop.stopped:
             self.finish_reason = "stop"
         elif len(self.tokens) >= self.max_tokens:

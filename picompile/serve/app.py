@@ -115,9 +115,9 @@ def _completion_ids(state: ServerState, body: CompletionRequest) -> list[int]:
     return ids
 
 
-def _submit(state: ServerState, ids: list[int], max_tokens: int, params: SamplingParams) -> Any:
+def _submit(state: ServerState, ids: list[int], max_tokens: int, params: SamplingParams, body: _Sampling) -> Any:
     try:
-        return state.scheduler.submit(ids, max_tokens, params, asyncio.get_running_loop())
+        return state.scheduler.submit(ids, max_tokens, params, asyncio.get_running_loop(), not body.ignore_eos)
     except (QueueFull, ShuttingDown) as e:
         raise ApiError(503, str(e), type_="server_error", code="overloaded" if isinstance(e, QueueFull)
                        else "shutting_down") from None
@@ -185,7 +185,7 @@ def create_app(state: ServerState) -> FastAPI:
         ids = _completion_ids(state, body)
         max_tokens = _fit(state, ids, body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS)
         prefix = state.session.decode(ids) if body.echo and isinstance(body.prompt, (str, list)) else ""
-        req = _submit(state, ids, max_tokens, params)
+        req = _submit(state, ids, max_tokens, params, body)
         rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
         def chunk(text: str, finish: str | None) -> dict[str, Any]:
@@ -232,7 +232,7 @@ def create_app(state: ServerState) -> FastAPI:
         except InputError as e:
             raise ApiError(400, str(e), param="messages") from None
         max_tokens = _fit(state, ids, body.max_completion_tokens or body.max_tokens, None)
-        req = _submit(state, ids, max_tokens, params)
+        req = _submit(state, ids, max_tokens, params, body)
         rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
         def chunk(delta: dict[str, Any], finish: str | None) -> dict[str, Any]:

@@ -51,6 +51,7 @@ class Request:
     slot: int = -1
     gen: Generation | None = None
     cancelled: bool = False
+    stop_at_eos: bool = True
     submitted: float = field(default_factory=time.perf_counter)
 
     def cancel(self) -> None:
@@ -82,8 +83,8 @@ class Scheduler:
 
     # -- any thread ------------------------------------------------------------------------------
     def submit(self, ids: list[int], max_tokens: int, params: SamplingParams,
-               loop: asyncio.AbstractEventLoop) -> Request:
-        req = Request(ids, max_tokens, params, loop, asyncio.Queue(), next(self._ids))
+               loop: asyncio.AbstractEventLoop, stop_at_eos: bool = True) -> Request:
+        req = Request(ids, max_tokens, params, loop, asyncio.Queue(), next(self._ids), stop_at_eos=stop_at_eos)
         with self.cond:
             if self.closing:
                 raise ShuttingDown("the server is shutting down")
@@ -177,7 +178,8 @@ class Scheduler:
 
     def _prefill(self, r: Request) -> None:
         try:
-            r.gen = Generation(self.session.tokenizer, r.ids, r.max_tokens, r.params, self.eos)
+            r.gen = Generation(self.session.tokenizer, r.ids, r.max_tokens, r.params,
+                               self.eos if r.stop_at_eos else set())
             logits = self.runner.prefill(r.slot, r.ids)[-1]
             self._advance(r, logits)
         except Exception as e:  # a request that cannot run fails alone

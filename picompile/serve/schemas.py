@@ -1,8 +1,8 @@
 """The OpenAI API's request and response bodies that ``picompile serve`` speaks, as pydantic models.
 
 Requests are validated here: a wrong type or a value out of range is a 422 with an OpenAI-style error body
-(``app.py``). Parameters are named as the OpenAI API names them; ``top_k``, ``min_p`` and
-``repetition_penalty`` are the common extensions (vLLM, llama.cpp's server). Fields of the API that change
+(``app.py``). Parameters are named as the OpenAI API names them; ``top_k``, ``min_p``,
+``repetition_penalty`` and ``ignore_eos`` are the common extensions (vLLM, llama.cpp's server). Fields of the API that change
 nothing here (``user``, ``logit_bias`` when empty, ``stream_options`` but ``include_usage``) are accepted and
 ignored; ones whose meaning cannot be honoured (``n`` > 1, ``logprobs``, ``tools``, ``best_of`` > 1,
 ``suffix``) are refused with the reason.
@@ -41,6 +41,7 @@ class _Sampling(_Body):
     stream_options: Optional[StreamOptions] = None
     n: StrictInt = Field(default=1, ge=1, le=1)
     logprobs: Any = None
+    ignore_eos: StrictBool = False  # extension (vLLM): generate max_tokens whatever the model says
     user: Optional[StrictStr] = None
 
     def stops(self) -> tuple[str, ...]:
