@@ -1,8 +1,10 @@
 """A loaded artifact: prefill + decode with a KV cache, logits, greedy or sampled generation."""
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import Tensor, fx
@@ -13,6 +15,7 @@ from picompile.runtime.compute_dtype import choose_for as choose_prefill_dtype
 from picompile.runtime.compute_dtype import resolve as resolve_compute_dtype
 from picompile.runtime.kv_cache import KVArenas
 from picompile.runtime.load_pipeline import LoadOptions, LoadRun, LoadState, session_steps
+from picompile.runtime.sampling import Generation, SamplingParams
 from picompile.runtime.threads import torch_weight_reads, with_decode_threads
 
 
@@ -60,6 +63,7 @@ class Session:
         self.kv_reason: str = notes.get("kv_reason", "kv_in_place=False")
         assert state.decode is not None and state.prefill is not None
         decode_run, prefill_run = state.decode, state.prefill
+        self.decode_graph, self.prefill_graph = decode_run, prefill_run  # the forms steps run (runtime/batch.py)
         if compile:
             from picompile.runtime.compile import compile_step
 
@@ -186,8 +190,24 @@ class Session:
         top_k: int = 0,
         seed: int | None = None,
         stop_at_eos: bool = True,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
     ) -> list[int]:
         """Prefill the prompt, then decode up to ``max_new_tokens`` (greedy when temperature is 0)."""
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                repetition_penalty=repetition_penalty, seed=seed)
+        run = self.stream(prompt_or_ids, max_new_tokens, params, stop_at_eos=stop_at_eos, keep_logits=True)
+        for _ in run:
+            pass
+        return list(run.generation.tokens)
+
+    def stream(self, prompt_or_ids: str | Sequence[int] | Tensor, max_new_tokens: int, params: SamplingParams,
+               *, stop_at_eos: bool = True, decoder: "Decoder | None" = None, keep_logits: bool = False) -> "Stream":
+        """Generate token by token: iterate the result for each step's ``Generation`` (its ``delta`` is the new
+        text, ``tokens`` the ids so far); ``.stats`` has the counts and timings once it is exhausted.
+        ``decoder``: continue that decoder's cache (its length tokens are kept: only the rest of the prompt is
+        prefilled); the prompt is then the whole sequence, cached part included."""
         tokens = self._ids(prompt_or_ids)
         if max_new_tokens < 0:
             raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -196,33 +216,9 @@ class Session:
                 f"the prompt has {len(tokens)} tokens and {max_new_tokens} new tokens were asked for, but this artifact's "
                 f"context is {self.max_seq_len} tokens (at most {self.max_seq_len - len(tokens)} new tokens fit)"
             )
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
-        out: list[int] = []
-        chosen: list[Tensor] = []
-        if max_new_tokens == 0:
-            self.last_logits = torch.empty(0, self.vocab_size)
-            return out
-        dec = self.decoder()
-        last = dec.feed(tokens)[-1]  # [vocab]
-        while True:
-            chosen.append(last)
-            nxt = self._pick(last, temperature, top_k, gen)
-            out.append(nxt)
-            if len(out) >= max_new_tokens or (stop_at_eos and nxt == self.eos_id):
-                break
-            last = dec.feed([nxt])[-1]
-        self.last_logits = torch.stack(chosen)
-        return out
-
-    @staticmethod
-    def _pick(logits: Tensor, temperature: float, top_k: int, gen: torch.Generator | None) -> int:
-        if temperature <= 0:
-            return int(torch.argmax(logits))
-        scores = logits / temperature
-        if top_k > 0:
-            kth = torch.topk(scores, min(top_k, scores.numel())).values[-1]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        return int(torch.multinomial(torch.softmax(scores, -1), 1, generator=gen))
+        eos = {self.eos_id} if stop_at_eos and self.eos_id is not None else set()
+        gen = Generation(self.tokenizer, tokens, max_new_tokens, params, eos)
+        return Stream(self, tokens, gen, decoder, keep_logits)
 
     def decode(self, ids: Sequence[int]) -> str:
         if self.tokenizer is None:
@@ -239,6 +235,7 @@ class Decoder:
     def __init__(self, session: Session) -> None:
         self.session = session
         self.length = 0  # tokens fed so far
+        self.history: list[int] = []  # the ids fed so far, in order
         self._version: int | None = None  # the session's cache version after this decoder's last feed
         self._past: tuple[Tensor, ...] | None = None  # sessions without the in-place cache
 
@@ -256,6 +253,7 @@ class Decoder:
             logits = s._advance(batch, self.length)
             self._version = s._kv_version
         self.length += len(tokens)
+        self.history += tokens
         return logits
 
     def truncate(self, length: int) -> None:
@@ -265,3 +263,86 @@ class Decoder:
         if self._past is not None:
             self._past = tuple(p[:, :, :length] for p in self._past)
         self.length = length
+        del self.history[length:]
+
+
+@dataclass
+class StreamStats:
+    """What one ``Session.stream`` did: tokens prefilled (``cached``: already in the decoder's cache, not
+    recomputed), tokens generated, and the seconds of each phase."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    new_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    finish_reason: str | None = None
+
+    @property
+    def prefill_tps(self) -> float:
+        n = self.prompt_tokens - self.cached_tokens
+        return n / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        n = self.new_tokens - 1  # the first token comes from the prefill's logits
+        return n / self.decode_seconds if self.decode_seconds > 0 and n > 0 else 0.0
+
+
+class Stream:
+    """The iterator ``Session.stream`` returns: one ``Generation`` per new token."""
+
+    def __init__(self, session: Session, tokens: list[int], generation: Generation, decoder: "Decoder | None",
+                 keep_logits: bool) -> None:
+        self.session, self.tokens, self.generation = session, tokens, generation
+        self.decoder = decoder if decoder is not None else session.decoder()
+        self.stats = StreamStats(prompt_tokens=len(tokens))
+        self._keep = keep_logits
+        self._it = self._run()
+
+    def __iter__(self) -> "Stream":
+        return self
+
+    def __next__(self) -> Generation:
+        return next(self._it)
+
+    def _run(self) -> Iterator[Generation]:
+        s, gen, dec, st = self.session, self.generation, self.decoder, self.stats
+        chosen: list[Tensor] = []
+        if gen.done:  # max_new_tokens == 0
+            s.last_logits = torch.empty(0, s.vocab_size)
+            st.finish_reason = gen.finish_reason
+            return
+        keep = 0
+        if dec.length:  # continue a conversation: keep the cached prefix the new prompt shares
+            keep = common_prefix(dec.history, self.tokens)
+            keep = min(keep, len(self.tokens) - 1)  # at least one token is fed: its logits pick the next
+            dec.truncate(keep)
+        st.cached_tokens = keep
+        t0 = time.perf_counter()
+        last = dec.feed(self.tokens[keep:])[-1]  # [vocab]
+        st.prefill_seconds = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        while True:
+            if self._keep:
+                chosen.append(last)
+            tid = gen.advance(last)
+            st.new_tokens = len(gen.tokens)
+            st.decode_seconds = time.perf_counter() - t1
+            yield gen
+            if gen.done:
+                break
+            last = dec.feed([tid])[-1]
+        st.decode_seconds = time.perf_counter() - t1
+        st.finish_reason = gen.finish_reason
+        if self._keep:
+            s.last_logits = torch.stack(chosen)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading ids ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

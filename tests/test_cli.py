@@ -56,3 +56,54 @@ def test_unknown_target_lists_known(checkpoints: dict, tmp_path: Path, capsys: p
     rc = main(["build", str(checkpoints[("opt", "relu")]), "-o", str(tmp_path / "x.pic"), "--target", "tpu9"])
     assert rc == 2
     assert "unknown target 'tpu9'; known targets: rtx4090" in capsys.readouterr().err
+
+
+def test_run_streams_as_tokens_come(default_artifact: Path, monkeypatch: pytest.MonkeyPatch,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """`picompile run` writes each token's text as it is chosen (before generation ends), stops at --stop, clamps
+    --max-tokens to the context with a warning, and reports prefill and decode tok/s."""
+    import sys
+
+    from picompile.cli import main
+    from picompile.runtime.session import Decoder
+
+    feeds = {"n": 0}
+    real_feed = Decoder.feed
+
+    def counting_feed(self: Decoder, ids: object) -> object:
+        feeds["n"] += 1
+        return real_feed(self, ids)  # type: ignore[arg-type]
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.writes: list[tuple[int, str]] = []  # (decoder feeds so far, text)
+
+        def write(self, text: str) -> int:
+            self.writes.append((feeds["n"], text))
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setattr(Decoder, "feed", counting_feed)
+    rec = Recorder()
+    monkeypatch.setattr(sys, "stdout", rec)
+    assert main(["run", str(default_artifact), "--prompt", "ROMEO:", "-n", "24"]) == 0
+    monkeypatch.undo()
+    text = "".join(t for _, t in rec.writes)
+    assert text.startswith("ROMEO:") and len(text) > len("ROMEO:\n")
+    during = [n for n, t in rec.writes if t.strip() and n < feeds["n"]]
+    assert len(during) >= 5  # text arrived while tokens were still being decoded
+    err = capsys.readouterr().err
+    assert "prefill 3 tokens at" in err and "decode" in err and "tok/s" in err
+    stop = text[len("ROMEO:"):][3:6]
+    assert main(["run", str(default_artifact), "--prompt", "ROMEO:", "-n", "24", "--stop", stop]) == 0
+    out = capsys.readouterr().out
+    assert stop not in out[len("ROMEO:"):] and text.startswith(out.rstrip("\n"))
+    assert main(["run", str(default_artifact), "--prompt", "ROMEO:", "--max-tokens", "100000", "--json",
+                 "--temperature", "0.7", "--top-p", "0.9", "--min-p", "0.05", "--repetition-penalty", "1.3",
+                 "--seed", "4"]) == 0
+    cap = capsys.readouterr()
+    assert "clamped to 253" in cap.err
+    result = json.loads(cap.out)
+    assert 0 < len(result["ids"]) <= 253 and result["finish_reason"] in ("stop", "length")

@@ -237,14 +237,14 @@ def test_hf_tokenizer_save_load_round_trip(tmp_path: Path) -> None:
     assert entry["files"] == ["tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"]
     back = load_tokenizer_entry(entry, tmp_path / "artifact")
     for text in ["the cat sat on the mat", "naïve dog ✓", ""]:
-        ids = back.encode(text)
-        assert ids == tok.encode(text) and ids[0] == 1
+        ids = back.encode(text)  # special tokens as transformers adds them: this post-processor adds no BOS
+        assert ids == tok.encode(text) and (not ids or ids[0] != 1)
         assert back.decode(ids) == text
     assert back.encode("the", bos=False)[0] != 1
     # no side files -> no bos/eos
     shutil.copy(src / "tokenizer.json", tmp_path / "tokenizer.json")
     bare = load_tokenizer("hf", tmp_path / "tokenizer.json")
-    assert bare.bos_id is None and bare.eos_id is None and bare.encode("the cat", bos=True) == tok.encode("the cat")[1:]
+    assert bare.bos_id is None and bare.eos_id is None and bare.encode("the cat", bos=True) == tok.encode("the cat")
 
 
 # ----------------------------------------------------------------------------- bad model files

@@ -5,11 +5,11 @@ import argparse
 import sys
 from typing import Sequence
 
-from picompile.cli import bench, build, eval, inspect, plan, run
+from picompile.cli import bench, build, chat, eval, inspect, plan, run, serve
 from picompile.cli.common import Parser, console
 from picompile.errors import PicompileError
 
-SUBCOMMANDS = (build, run, inspect, eval, plan, bench)
+SUBCOMMANDS = (build, run, chat, serve, inspect, eval, plan, bench)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -223,6 +223,8 @@ def check_tokenizer(tok: dict[str, Any] | None) -> None:
         check_relative(rel, f"tokenizer.files[{i}]")
     if "sha256" in tok and not isinstance(tok["sha256"], dict):
         raise fail("tokenizer.sha256", "a JSON object", tok["sha256"])
+    if "chat_template" in tok and tok["chat_template"] not in files:  # the template file, one of files
+        raise fail("tokenizer.chat_template", "one of tokenizer.files", tok["chat_template"])
 
 
 def check_kernels(entries: Any) -> None:

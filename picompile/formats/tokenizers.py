@@ -1,4 +1,5 @@
-"""Tokenizers the runtime uses: llama2.c tokenizer.bin files and Hugging Face tokenizer.json files.
+"""Tokenizers the runtime uses: llama2.c tokenizer.bin files and Hugging Face tokenizers (tokenizer.json
+with its side files and chat template, through ``transformers.AutoTokenizer``).
 
 Both implement the `Tokenizer` protocol. `save_tokenizer` copies a tokenizer's source file(s) into
 an artifact directory and returns a manifest entry; `load_tokenizer_entry` (or `load_tokenizer`
@@ -273,35 +274,57 @@ class Llama2cTokenizer:
 
 # ----------------------------------------------------------------------------- Hugging Face
 
-_HF_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+_HF_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", CHAT_TEMPLATE_FILE)
 
 
-def _special_token_id(tok: Any, files: list[Path], key: str) -> int | None:
-    """Id of the `key` ("bos_token"/"eos_token") named in tokenizer_config.json or special_tokens_map.json."""
-    for f in files:
+def _auto_tokenizer(main: Path, side: list[Path]) -> Any:
+    """``transformers.AutoTokenizer`` over exactly ``main`` (a tokenizer.json) and ``side``: the files are copied
+    into a private directory first, so nothing else beside them is read, and no remote code is run."""
+    import tempfile
+
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # its notes on tokenizer classes are not the user's business
+    if not any(f.name == "tokenizer_config.json" for f in side):
+        return PreTrainedTokenizerFast(tokenizer_file=str(main))  # a bare tokenizer.json: no special tokens named
+    with tempfile.TemporaryDirectory(prefix="picompile-tok-") as tmp:
+        for f in [main, *side]:
+            dst = Path(tmp) / ("tokenizer.json" if f == main else f.name)
+            if f.suffix == ".json" and f != main:
+                dst.write_text(json.dumps(_plain_special_tokens(json.loads(f.read_text(encoding="utf-8")))),
+                               encoding="utf-8")
+            else:
+                shutil.copyfile(f, dst)
         try:
-            cfg = json.loads(f.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ModelLoadError(f"{f} is not valid JSON: {e}") from None
-        val = cfg.get(key) if isinstance(cfg, dict) else None
-        if isinstance(val, dict):
-            val = val.get("content")
-        if isinstance(val, str):
-            tid = tok.token_to_id(val)
-            if tid is None:
-                raise ModelLoadError(f"{f}: {key} {val!r} is not in the vocabulary")
-            return int(tid)
-    return None
+            return AutoTokenizer.from_pretrained(tmp, local_files_only=True, trust_remote_code=False)
+        except Exception as e:  # transformers raises ValueError/OSError/KeyError/… for a bad config
+            raise ModelLoadError(f"{main.parent}: transformers cannot load this tokenizer: "
+                                 f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
+
+def _plain_special_tokens(cfg: Any) -> Any:
+    """Special tokens written as objects (``{"content": "</s>", …}``, older transformers) as their strings."""
+    if not isinstance(cfg, dict):
+        raise ModelLoadError("a tokenizer side file is not a JSON object")
+    out = dict(cfg)
+    for k, v in cfg.items():
+        if k.endswith("_token") and isinstance(v, dict) and isinstance(v.get("content"), str):
+            out[k] = v["content"]
+    return out
 
 
 @dataclass
 class HFTokenizer:
-    """A Hugging Face `tokenizers` tokenizer.json plus bos/eos ids from its side files.
+    """A Hugging Face tokenizer (tokenizer.json and its side files) through ``transformers.AutoTokenizer``.
 
-    encode() adds no special tokens from the post-processor; it prepends bos_id itself when asked,
-    so `bos` means the same for every tokenizer. decode() skips special tokens."""
+    encode() adds special tokens exactly as transformers does (``add_special_tokens=True``: BOS only where the
+    tokenizer's own config or post-processor says so; SmolLM2 adds none); ``bos=False`` adds none.
+    decode() skips special tokens. ``chat_template`` is the tokenizer's own (``chat_template.jinja`` or
+    tokenizer_config.json), applied by ``apply_chat_template`` as transformers applies it."""
 
-    tok: Any  # tokenizers.Tokenizer
+    tok: Any  # transformers.PreTrainedTokenizerBase
     bos_id: int | None = None
     eos_id: int | None = None
     files: list[Path] = field(default_factory=list)  # tokenizer.json first, then side files found
@@ -309,29 +332,42 @@ class HFTokenizer:
     @classmethod
     def from_file(cls, path: Path) -> "HFTokenizer":
         """`path` is a tokenizer.json or a directory holding one (side files are read next to it)."""
-        from tokenizers import Tokenizer as _RawTokenizer
-
         path = Path(path)
         if path.is_dir():
             path = path / "tokenizer.json"
         if not path.is_file():
             raise ModelLoadError(f"Hugging Face tokenizer file {path} does not exist")
         try:
-            tok = _RawTokenizer.from_file(str(path))
-        except Exception as e:  # tokenizers raises a plain Exception on bad JSON / unknown model
+            json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ModelLoadError(f"{path}: not a valid tokenizer.json: {e}") from None
         side = [path.parent / n for n in _HF_SIDE_FILES if (path.parent / n).is_file()]
-        return cls(tok, _special_token_id(tok, side, "bos_token"), _special_token_id(tok, side, "eos_token"),
-                   [path, *side])
+        for f in side:
+            if f.suffix == ".json":
+                try:
+                    json.loads(f.read_text(encoding="utf-8"))
+                except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+                    raise ModelLoadError(f"{f} is not valid JSON: {e}") from None
+        try:
+            tok = _auto_tokenizer(path, side)
+        except ModelLoadError:
+            raise
+        except Exception as e:  # tokenizers raises a plain Exception on an unknown model
+            raise ModelLoadError(f"{path}: not a valid tokenizer.json: {e}") from None
+        return cls(tok, _opt_int(tok.bos_token_id), _opt_int(tok.eos_token_id), [path, *side])
 
     @property
     def vocab_size(self) -> int:
-        return int(self.tok.get_vocab_size(with_added_tokens=True))
+        return int(len(self.tok))
+
+    @property
+    def chat_template(self) -> str | None:
+        tpl = getattr(self.tok, "chat_template", None)
+        return tpl if isinstance(tpl, str) and tpl else None
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
         prompt_bytes(text)  # undecodable bytes fail here, with one line, not inside the tokenizers library
-        ids = list(self.tok.encode(text, add_special_tokens=False).ids)
-        return [self.bos_id, *ids] if bos and self.bos_id is not None else ids
+        return [int(i) for i in self.tok(text, add_special_tokens=bos)["input_ids"]]
 
     def decode(self, ids: list[int]) -> str:
         n = self.vocab_size
@@ -340,10 +376,50 @@ class HFTokenizer:
                 raise InputError(f"token id {t} is outside the vocabulary (size {n})")
         return str(self.tok.decode([int(t) for t in ids], skip_special_tokens=True))
 
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                            template: str | None = None) -> list[int]:
+        """The conversation as token ids, rendered with ``template`` or the tokenizer's own chat template and
+        tokenized without further special tokens (what ``transformers``' ``apply_chat_template`` returns)."""
+        tpl = template if template is not None else self.chat_template
+        if tpl is None:
+            raise InputError("this tokenizer has no chat template; give one (--template FILE)")
+        try:
+            text = self.tok.apply_chat_template(messages, chat_template=tpl, tokenize=False,
+                                                add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # jinja2's TemplateError, SecurityError, TypeError from the template itself
+            raise InputError(f"the chat template failed: {type(e).__name__}: {e}") from None
+        return self.encode(str(text), bos=False)
+
+    def special_ids(self) -> set[int]:
+        return {int(i) for i in getattr(self.tok, "all_special_ids", [])}
+
     def source_files(self) -> list[Path]:
         if not self.files:
             raise ArtifactError("this Hugging Face tokenizer was not read from a file; nothing to save")
         return list(self.files)
+
+
+def _opt_int(v: Any) -> int | None:
+    return int(v) if isinstance(v, int) else None
+
+
+def render_chat(template: str, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                bos_token: str = "", eos_token: str = "") -> str:
+    """``template`` (Jinja, a Hugging Face chat template) rendered over ``messages`` in a sandbox (no attribute
+    access beyond jinja2's safe set, no imports, no file access) — for tokenizers without transformers."""
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(msg: str) -> None:
+        raise InputError(f"the chat template refused the conversation: {msg}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                bos_token=bos_token, eos_token=eos_token)
+    except TemplateError as e:
+        raise InputError(f"the chat template failed: {type(e).__name__}: {e}") from None
 
 
 # ----------------------------------------------------------------------------- load / save
@@ -390,7 +466,15 @@ def save_tokenizer(tok: Tokenizer, dest_dir: Path) -> dict[str, Any]:
         rel = f"{TOKENIZER_SUBDIR}/{src.name}"
         files.append(rel)
         digests[rel] = _sha256(dst)
-    return {"kind": kind, "files": files, "sha256": digests}
+    entry: dict[str, Any] = {"kind": kind, "files": files, "sha256": digests}
+    tpl = f"{TOKENIZER_SUBDIR}/{CHAT_TEMPLATE_FILE}"
+    if kind == "hf" and tpl not in files and getattr(tok, "chat_template", None):
+        (out_dir / CHAT_TEMPLATE_FILE).write_text(tok.chat_template, encoding="utf-8")  # type: ignore[attr-defined]
+        files.append(tpl)  # a template kept inside tokenizer_config.json: carried as the file transformers writes
+        digests[tpl] = _sha256(out_dir / CHAT_TEMPLATE_FILE)
+    if tpl in files:
+        entry["chat_template"] = tpl  # listed in the manifest: this artifact can chat
+    return entry
 
 
 def load_tokenizer_entry(entry: dict[str, Any], artifact_dir: Path) -> Tokenizer:
@@ -433,11 +517,13 @@ def prompt_bytes(text: str) -> bytes:
 
 
 __all__ = [
+    "CHAT_TEMPLATE_FILE",
     "HFTokenizer",
     "Llama2cTokenizer",
     "TOKENIZER_KINDS",
     "Tokenizer",
     "load_tokenizer",
     "load_tokenizer_entry",
+    "render_chat",
     "save_tokenizer",
 ]

@@ -1,0 +1,189 @@
+"""Several sequences' decode steps as one graph call: decode graph (one token of one sequence) → B copies of its
+per-token work sharing one call of every weight-streaming linear layer.
+
+graph: forward(ids [1, 1], *past) with kv_arena buffers → forward(ids_0, *past_0, *arena_0, …, ids_B-1, …):
+  - every node runs once per sequence on that sequence's tensors (embedding, norms, rotary at its own position,
+    attention over its own KV arena, the predictor and the sparse FFN with its own mask), except
+  - each ``tvm_linear`` (q/k/v, o, lm_head: most of the bytes a decode step reads), which runs once on the B
+    tokens stacked, through the TVM kernel's ``<key>_batch`` form (``x`` ``[B, d_in]``: each weight row read
+    once for all B).
+A sequence's result never depends on the others: every per-sequence node computes what it computes alone, and
+the batched kernel computes each row of ``x`` by itself, in the same order whatever B is
+(``tests/test_serve_batch.py`` checks greedy outputs token for token). So that a request alone and a request in a
+batch give the same floats, the server runs every decode step through this form, B = 1 included (the one-token
+GEMV kernel of ``Session.generate`` sums in another order; its text can differ in the last bits' ties).
+
+The sparse FFN runs per sequence, each with its own predicted neurons: the batched FFN kernel takes one index
+list (the union of the B tokens' active neurons) and computes every listed neuron for every token, so a token
+would get contributions from neurons only another token's predictor selected — its output would depend on what
+else is in flight.
+
+``BatchRunner`` holds the KV cache of each slot (one arena per past input, ``max_seq_len`` positions), prefills a
+slot with the session's prefill graph on that slot's arenas, and decodes any set of slots in one call (graphs
+are built per batch size on first use).
+"""
+from __future__ import annotations
+
+import operator
+import re
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor, fx
+
+from picompile.ir.schema import args_of, node_op
+
+_ARENA = re.compile(r"^kv_arena(\d+)$")
+
+
+def batched_linear(xs: Sequence[Tensor], w: Tensor, b: Tensor | None, kernel: str) -> list[Tensor]:
+    """``tvm_linear`` for several tokens at once: xs (B tensors [..., d_in], one token each) → B outputs [..., d_out],
+    by the kernel's batched form (one pass over the weight rows for all B)."""
+    from picompile.kernels import aligned_empty, as_aligned
+    from picompile.kernels.table import find_kernel
+
+    kern = find_kernel(kernel)
+    if kern is None:
+        raise RuntimeError(f"TVM kernel {kernel} (linear) is not loaded")
+    x = as_aligned(torch.cat([t.reshape(1, -1) for t in xs]))  # [B, d_in]
+    y = aligned_empty((len(xs), w.shape[0]))  # [B, d_out]
+    kern.unchecked(x, w, None, None, _rows(w.shape[0]), y)  # type: ignore[attr-defined]
+    if b is not None:
+        y += b
+    return [y[i].reshape(*t.shape[:-1], w.shape[0]) for i, t in enumerate(xs)]
+
+
+_ROWS: dict[int, Tensor] = {}
+
+
+def _rows(n: int) -> Tensor:
+    if n not in _ROWS:
+        _ROWS[n] = torch.arange(n, dtype=torch.int32)
+    return _ROWS[n]
+
+
+def _batchable(node: fx.Node) -> bool:
+    """A node whose B copies become one call: a TVM linear with a stored weight and a loaded CPU kernel."""
+    if node.op != "call_function" or node_op(node) != "tvm_linear":
+        return False
+    a = args_of(node)
+    return isinstance(a.get("kernel"), str) and bool(a["kernel"]) and not isinstance(a.get("x"), (list, tuple))
+
+
+def batch_graph(gm: fx.GraphModule, n_past: int, batch: int) -> tuple[fx.GraphModule, int]:
+    """The B-sequence form of the arena decode graph ``gm`` (see the module docstring). Its inputs, per sequence
+    in order: ids [1, 1], n_past past views (read only for their length), n_past arenas; it returns the B logits.
+    Also returns how many linear calls are shared."""
+    src = gm.graph
+    new = fx.Graph()
+    envs: list[dict[fx.Node, Any]] = [{} for _ in range(batch)]
+    shared: dict[fx.Node, fx.Node] = {}  # weight get_attrs: one node for all copies
+    placeholders = [n for n in src.nodes if n.op == "placeholder"]
+    arenas = sorted((int(m.group(1)), n) for n in src.nodes if n.op == "get_attr" and (m := _ARENA.match(str(n.target))))
+    for b in range(batch):
+        for n in placeholders:
+            envs[b][n] = new.placeholder(f"{n.name}_s{b}")
+            envs[b][n].meta.update(n.meta)
+        for i, n in arenas:
+            envs[b][n] = new.placeholder(f"arena{i}_s{b}")
+    n_shared = 0
+    outputs: list[Any] = []
+    for node in src.nodes:
+        if node.op == "placeholder" or (node.op == "get_attr" and _ARENA.match(str(node.target))):
+            continue
+        if node.op == "get_attr":
+            shared[node] = new.get_attr(node.target)
+            shared[node].meta.update(node.meta)
+            for env in envs:
+                env[node] = shared[node]
+            continue
+        if node.op == "output":
+            (returned,) = node.args  # the arena graph returns (logits,)
+            outputs = [fx.map_arg(returned[0], lambda a, env=env: env[a]) for env in envs]
+            continue
+        if _batchable(node):
+            a = args_of(node)
+            w, bias = a["w"], a.get("b")
+            xs = [env[a["x"]] for env in envs]
+            call = new.call_function(batched_linear, (xs, envs[0][w], envs[0][bias] if bias is not None else None,
+                                                      a["kernel"]))
+            for b, env in enumerate(envs):
+                env[node] = new.call_function(operator.getitem, (call, b))
+                env[node].meta.update(node.meta)
+            n_shared += 1
+            continue
+        for env in envs:
+            env[node] = new.node_copy(node, lambda a, env=env: env[a])
+    new.output(tuple(outputs))
+    module = fx.GraphModule(gm, new)
+    module.graph.lint()
+    return module, n_shared
+
+
+class BatchRunner:
+    """KV-cache slots over one session and the batched decode step.
+
+    ``prefill(slot, ids, start)`` runs the session's prefill (several tokens) or decode form (one token) on the
+    slot's arenas after its first ``start`` positions; ``decode([(slot, token, position), …])`` runs one token of
+    each listed slot in one call of the B-sequence graph and returns their logits [B, vocab]."""
+
+    def __init__(self, session: Any, slots: int) -> None:
+        if session.kv is None:
+            raise RuntimeError(f"batched decoding needs the in-place KV cache ({session.kv_reason})")
+        if session.compiled:
+            raise RuntimeError("batched decoding runs the eager graph; load the artifact without compile=True")
+        self.session = session
+        self.n_past = session.n_past
+        shapes = [(tuple(a.shape), a.dtype) for a in session.kv.arenas]
+        self.slots: list[list[Tensor]] = [[torch.zeros(s, dtype=d) for s, d in shapes] for _ in range(slots)]
+        self._graphs: dict[int, tuple[fx.GraphModule, Callable[..., Any]]] = {}
+        self.shared_linears = 0
+
+    @property
+    def max_seq_len(self) -> int:
+        return int(self.session.max_seq_len)
+
+    def _graph(self, batch: int) -> Callable[..., Any]:
+        if batch not in self._graphs:
+            gm, self.shared_linears = batch_graph(self.session.decode_graph, self.n_past, batch)
+            fn = gm
+            if self.session.decode_torch_threads is not None:
+                from picompile.runtime.threads import with_decode_threads
+
+                fn = with_decode_threads(lambda *a: gm(*a), self.session.decode_torch_threads)
+            self._graphs[batch] = (gm, fn)
+        return self._graphs[batch][1]
+
+    def prefill(self, slot: int, ids: Sequence[int], start: int = 0) -> Tensor:
+        """Tokens ``ids`` at positions start.. of ``slot`` → their logits [T, vocab] (the prompt: the dense prefill)."""
+        s = self.session
+        s._check_room(start, len(ids))
+        arenas = self.slots[slot]
+        graphs = {id(g): g for g in (s.prefill_graph, s.decode_graph)}.values()
+        saved = [[getattr(g, f"kv_arena{i}") for i in range(self.n_past)] for g in graphs]
+        try:
+            for g in graphs:
+                for i, a in enumerate(arenas):
+                    setattr(g, f"kv_arena{i}", a)
+            with torch.inference_mode():
+                out = s.step_fn(torch.tensor([list(ids)]), *(a[:, :, :start] for a in arenas))
+        finally:
+            for g, old in zip(graphs, saved):
+                for i, a in enumerate(old):
+                    setattr(g, f"kv_arena{i}", a)
+        s._kv_version += 1  # the session's own decoders must not trust what they left
+        return out[0][0]
+
+    def decode(self, steps: Sequence[tuple[int, int, int]]) -> Tensor:
+        """One token for each (slot, token id, position) — position = tokens the slot holds before it — in one
+        call; returns logits [B, vocab] in the order given."""
+        args: list[Tensor] = []
+        for slot, tid, pos in steps:
+            self.session._check_room(pos, 1)
+            arenas = self.slots[slot]
+            args.append(torch.tensor([[int(tid)]]))
+            args += [a[:, :, :pos] for a in arenas]
+            args += arenas
+        with torch.inference_mode():
+            outs = self._graph(len(steps))(*args)
+        return torch.stack([o.reshape(-1, o.shape[-1])[-1] for o in outs])
