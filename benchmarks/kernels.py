@@ -2,6 +2,13 @@
 
     python benchmarks/kernels.py [--d-model 4096] [--n-rows 16384] [--dtype float32] [--kind ffn_relu]
     python benchmarks/kernels.py --kind up [--d-model 2048] [--n-rows 5632] [--dtype float16]
+    python benchmarks/kernels.py --formats float16,int8,int4 [--kind ffn_gated] [--d-model 2048] [--n-rows 5632]
+
+``--formats``: each weight format's kernel of ``--kind`` (``ffn_gated`` act silu / ``ffn_relu`` relu / ``up`` /
+``down``: every selected row is read) at k = 1, 5, 10, 25, 100 % of the rows, the weights rotated over layer copies
+totalling ``--rotate-mib`` per format (every call reads DRAM), against the **read** bandwidth (torch ``sum`` over
+``--copy-mib``) measured in the same interleaved rounds: GB/s of weight bytes read (quants + scales) and their
+share of the read bandwidth.
 
 ``--kind up`` measures the dense GEMV instead (kind ``up``, act ``none``, idx = all rows: how every
 linear layer of a model runs), against torch's float32 ``F.linear`` and the copy bandwidth, with
@@ -75,15 +82,20 @@ def main() -> None:
     ap.add_argument("--d-model", type=int, default=4096)
     ap.add_argument("--n-rows", type=int, default=16384)
     ap.add_argument("--dtype", choices=["float32", "float16"], default="float32")
-    ap.add_argument("--kind", choices=["ffn_relu", "ffn_gated", "up"], default="ffn_relu")
+    ap.add_argument("--kind", choices=["ffn_relu", "ffn_gated", "up", "down"], default="ffn_relu")
     ap.add_argument("--rotate-mib", type=int, default=1024, help="--kind up: weight copies rotated per call")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--copy-mib", type=int, default=512, help="size of the copy-bandwidth buffer")
     ap.add_argument("--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "picompile_kernel_cache")
+    ap.add_argument("--formats", default=None, help="comma-separated weight formats: the bandwidth-share table")
+    ap.add_argument("--block", type=int, default=32, help="--formats: quantization block")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
+    if args.formats:
+        formats_table(args)
+        return
     if args.kind == "up":
         dense_gemv(args)
         return
@@ -224,6 +236,100 @@ def dense_gemv(args: argparse.Namespace) -> None:
     for name, nbytes in (("tvm", n * d * first.element_size()), ("torch fp32", n * d * 4)):
         t = tm.median(name)
         print(f"{name:>10}: {t * 1e3:8.3f} ms {nbytes / t / 1e9:6.1f} GB/s ({nbytes / t / 1e9 / copy_gbs * 100:.0f} % of copy)")
+
+
+SHARE_FRACTIONS: tuple[float, ...] = (0.01, 0.05, 0.10, 0.25, 1.00)
+_ACTS: dict[str, str] = {"ffn_gated": "silu", "ffn_relu": "relu", "up": "none", "down": "none"}
+
+
+def _layer_args(spec: KernelSpec, gen: torch.Generator) -> dict[str, torch.Tensor | None]:
+    """One layer's kernel arguments by name (weights random, quantized per ``spec``), outputs allocated."""
+    from picompile.kernels import as_aligned
+    from picompile.kernels.qformat import QFormat, quantize
+
+    d, n = spec.d_model, spec.n_rows
+    out: dict[str, torch.Tensor | None] = {"w_gate": None, "s_gate": None, "b_up": None}
+    for w, sc in (("w_up", "s_up"), ("w_gate", "s_gate"), ("w_down_t", "s_down")):
+        if w == "w_gate" and not spec.gated:
+            continue
+        if spec.quantized:
+            q, s = quantize(_randn_aligned((n, d), torch.float32, gen), QFormat(spec.weight_dtype, spec.block))
+            out[w], out[sc] = as_aligned(q, copy=True), as_aligned(s, copy=True)
+        else:
+            out[w] = _randn_aligned((n, d), getattr(torch, spec.weight_dtype), gen)
+    return out
+
+
+def formats_table(args: argparse.Namespace) -> None:
+    """``--formats``: bytes read per second by each format's kernel at 1-100 % of the rows, against the read
+    bandwidth of the same rounds."""
+    from picompile.kernels import as_aligned, call_args
+    from picompile.kernels.qformat import QFormat
+
+    d, n, kind = args.d_model, args.n_rows, args.kind
+    formats = args.formats.split(",")
+    gen = torch.Generator().manual_seed(0)
+    kernels, layers, row_bytes = {}, {}, {}
+    for fmt in formats:
+        spec = KernelSpec(kind, _ACTS[kind], d, n, fmt, False, "llvm", block=args.block)
+        t0 = time.perf_counter()
+        kernels[fmt] = load_kernel(build_kernel(spec, args.cache_dir), spec)
+        row_bytes[fmt] = QFormat(fmt, args.block).bytes_per_row(d) if spec.quantized else \
+            d * torch.empty((), dtype=getattr(torch, fmt)).element_size()
+        mats = 3 if spec.gated else 2 if spec.has_up and spec.has_down else 1
+        count = max(2, -(-args.rotate_mib * 2**20 // (mats * n * row_bytes[fmt])))
+        first = _layer_args(spec, gen)  # the copies hold the same values at other addresses
+        layers[fmt] = [first] + [{k: None if t is None else as_aligned(t, copy=True) for k, t in first.items()}
+                                 for _ in range(count - 1)]
+        print(f"{fmt}: kernel {spec.key()} ({time.perf_counter() - t0:.1f} s build/load/quantize), {count} layers")
+    set_num_threads(args.threads)
+    x = aligned_empty((d,))
+    x.copy_(torch.randn(d, generator=gen))
+    n_sets = 7  # index sets per fraction, cycled independently of the layer copies (7 is prime to their count)
+    idxs = {f: [torch.randperm(n, generator=gen)[: max(1, round(f * n))].sort().values.to(torch.int32)
+                for _ in range(n_sets)] for f in SHARE_FRACTIONS}
+    outs = {f: aligned_empty((d,) if kind != "up" else (idxs[f][0].numel(),)) for f in SHARE_FRACTIONS}
+    hs = {f: aligned_empty((idxs[f][0].numel(),)) for f in SHARE_FRACTIONS}
+    for f in SHARE_FRACTIONS:
+        hs[f].copy_(torch.randn(hs[f].numel(), generator=gen))
+    read_src = torch.randn(args.copy_mib * 2**18, generator=gen)
+    turn = {fmt: 0 for fmt in formats}
+
+    def call(fmt: str, frac: float) -> Callable[[], None]:
+        def run() -> None:
+            turn[fmt] += 1
+            lay = layers[fmt][turn[fmt] % len(layers[fmt])]
+            named = {**lay, "x": x, "idx": idxs[frac][turn[fmt] // len(layers[fmt]) % n_sets], "y": outs[frac],
+                     "h": hs[frac] if kind == "down" else outs[frac]}
+            kernels[fmt].unchecked(*(named[a] for a in call_args(kernels[fmt].spec)))
+        return run
+
+    calls = {"read": lambda: read_src.sum()}
+    for fmt in formats:
+        for frac in SHARE_FRACTIONS:
+            calls[f"{fmt}@{frac}"] = call(fmt, frac)
+    tm = Timings()
+    order = list(calls)
+    for fn in calls.values():
+        fn()
+    for r in range(args.repeats):
+        for name in order if r % 2 == 0 else order[::-1]:
+            tm.add(name, _time(calls[name]))
+    read_gbs = read_src.numel() * 4 / tm.median("read") / 1e9
+    mats = 3 if kind == "ffn_gated" else 2 if kind == "ffn_relu" else 1
+    print(f"{kind}, d_model {d}, n_rows {n}, block {args.block}, {args.threads} threads, {args.repeats} interleaved "
+          f"rounds (medians); read bandwidth {read_gbs:.1f} GB/s (torch sum over {args.copy_mib} MiB, same rounds)")
+    header = f"{'format':>8} {'B/row':>6}" + "".join(f" {f'{f * 100:.0f}% ms':>9} {'GB/s':>5} {'share':>5}"
+                                                     for f in SHARE_FRACTIONS)
+    print(header)
+    print("-" * len(header))
+    for fmt in formats:
+        line = f"{fmt:>8} {row_bytes[fmt]:6d}"
+        for frac in SHARE_FRACTIONS:
+            t = tm.median(f"{fmt}@{frac}")
+            gbs = mats * idxs[frac][0].numel() * row_bytes[fmt] / t / 1e9
+            line += f" {t * 1e3:9.3f} {gbs:5.1f} {gbs / read_gbs * 100:4.0f}%"
+        print(line)
 
 
 if __name__ == "__main__":

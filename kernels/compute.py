@@ -62,37 +62,83 @@ def arg_names(spec: KernelSpec) -> list[str]:
 
 SCALE_NAMES: dict[str, str] = {"w_up": "s_up", "w_gate": "s_gate", "w_down_t": "s_down"}  # quantized weights' scales
 
-WeightReader = Callable[..., "tirx.PrimExpr"]  # (row, col) -> float32 value
+CHUNK: int = 16  # quantized CPU dot products: elements of a half-block one vector holds (16 float32 = 512 bits)
 
 
-def weight(spec: KernelSpec, name: str, tensors: dict[str, te.Tensor], rows: int | None = None) -> WeightReader:
-    """Placeholder(s) of weight ``name`` ``[rows, d_model]`` (added to ``tensors``) and its reader
-    ``(row, col) -> float32 value``: a float weight widened; a quantized one (``qformat.py``) dequantized,
-    ``q * s`` (int8) or ``(nibble - 8) * s`` (int4: element ``c`` of block ``b`` is the low nibble of byte
-    ``b*B/2 + c%(B/2)`` for ``c%B < B/2``, else its high nibble)."""
-    n, d, f32 = rows or spec.n_rows, spec.d_model, "float32"
+def dot_extent(spec: KernelSpec) -> int:
+    """Extent of the dot products' reduction axis ``r``: ``d_model``; quantized on the CPU ``d_model / (B / 16)``
+    (``r = 16 b + l``: lane ``l`` of block ``b``, the block's ``B / 16`` chunks summed in the term, see ``Weight``)."""
+    if spec.quantized and not spec.is_cuda:
+        return spec.d_model // (spec.block // CHUNK)
+    return spec.d_model
+
+
+@dataclass
+class Weight:
+    """A weight ``[rows, d_model]`` as the descriptions read it: float (widened) or quantized (``qformat.py``:
+    ``q * s`` for int8, ``(nibble - 8) * s`` for int4, where element ``c`` of block ``b`` is the low nibble of
+    byte ``b*B/2 + c%(B/2)`` for ``c%B < B/2``, else its high nibble)."""
+
+    spec: KernelSpec
+    q: te.Tensor  # the float weight, or the quants
+    s: te.Tensor | None  # float16 scales [rows, d_model / block], quantized only
+
+    def _int(self, row: tirx.PrimExpr, col: tirx.PrimExpr) -> tirx.PrimExpr:
+        """The quant of element ``col`` as float32 (int4: the nibble minus 8)."""
+        f32 = "float32"
+        if self.spec.weight_dtype == "int8":
+            return self.q[row, col].astype(f32)
+        bl = self.spec.block
+        half = bl // 2
+        byte = self.q[row, (col // bl) * half + col % half]
+        if self.spec.is_cuda:  # TVM 0.27's CUDA codegen rejects vectors of uint8 shifts: decode in int32
+            shift = (col % bl) // half * 4
+            nib = tirx.bitwise_and(tirx.shift_right(byte.astype("int32"), shift), tirx.const(15, "int32"))
+            return (nib - tirx.const(8, "int32")).astype(f32)
+        # CPU: in the byte lanes of one 16-byte load (a mask or a shift, the - 8 as int8), then widened
+        shift = ((col % bl) // half * 4).astype("uint8")
+        nib = tirx.bitwise_and(tirx.shift_right(byte, shift), tirx.const(15, "uint8"))
+        return (nib.astype("int8") - tirx.const(8, "int8")).astype(f32)
+
+    def value(self, row: tirx.PrimExpr, col: tirx.PrimExpr, mult: tirx.PrimExpr | None = None) -> tirx.PrimExpr:
+        """Element ``[row, col]`` as float32, times ``mult`` (quantized: ``q * (s * mult)``: the scale product is
+        one broadcast per vector)."""
+        if self.s is None:
+            v = self.q[row, col].astype("float32")
+            return v if mult is None else mult * v
+        sc = self.s[row, col // self.spec.block].astype("float32")
+        return self._int(row, col) * (sc if mult is None else mult * sc)
+
+    def dot_term(self, row: tirx.PrimExpr, r: tirx.PrimExpr, xv: Callable[[tirx.PrimExpr], tirx.PrimExpr]) -> tirx.PrimExpr:
+        """Term ``r`` of ``row · x`` (``xv(col)`` reads x), ``r`` over ``dot_extent``. Quantized CPU: lane ``l = r % 16``
+        of block ``b = r // 16``, its ``B / 16`` chunks' products summed, then scaled once:
+        ``s[b] * sum_c q[b*B + 16c + l] * x[b*B + 16c + l]`` (one multiply by the scale per B/16 elements)."""
+        if self.s is None or self.spec.is_cuda:
+            return self.value(row, r) * xv(r)
+        bl = self.spec.block
+        b, lane = r // CHUNK, r % CHUNK
+        cols = [b * bl + c * CHUNK + lane for c in range(bl // CHUNK)]
+        acc = self._int(row, cols[0]) * xv(cols[0])
+        for col in cols[1:]:
+            acc = acc + self._int(row, col) * xv(col)
+        return self.s[row, b].astype("float32") * acc
+
+
+def weight(spec: KernelSpec, name: str, tensors: dict[str, te.Tensor], rows: int | None = None) -> Weight:
+    """Placeholder(s) of weight ``name`` ``[rows, d_model]`` (added to ``tensors``: quants then scales)."""
+    n, d = rows or spec.n_rows, spec.d_model
     if not spec.quantized:
         w = te.placeholder((n, d), spec.weight_dtype, name=name)  # [rows, d_model]
         tensors[name] = w
-        return lambda row, col: w[row, col].astype(f32)
-    bl = spec.block
-    s = te.placeholder((n, d // bl), "float16", name=SCALE_NAMES[name])  # [rows, d_model / block]
-    tensors[SCALE_NAMES[name]] = s
+        return Weight(spec, w, None)
     if spec.weight_dtype == "int8":
         q = te.placeholder((n, d), "int8", name=name)  # [rows, d_model]
-        tensors[name] = q
-        return lambda row, col: q[row, col].astype(f32) * s[row, col // bl].astype(f32)
-    half = bl // 2
-    q4 = te.placeholder((n, d // 2), "uint8", name=name)  # [rows, d_model / 2]: two nibbles a byte
-    tensors[name] = q4
-
-    def read4(row: tirx.PrimExpr, col: tirx.PrimExpr) -> tirx.PrimExpr:
-        byte = q4[row, (col // bl) * half + col % half]
-        shift = ((col % bl) // half * 4).astype("uint8")
-        nib = tirx.bitwise_and(tirx.shift_right(byte, shift), tirx.const(15, "uint8"))
-        return (nib.astype(f32) - tirx.const(8.0, f32)) * s[row, col // bl].astype(f32)
-
-    return read4
+    else:
+        q = te.placeholder((n, d // 2), "uint8", name=name)  # [rows, d_model / 2]: two nibbles a byte
+    s = te.placeholder((n, d // spec.block), "float16", name=SCALE_NAMES[name])  # [rows, d_model / block]
+    tensors[name] = q
+    tensors[SCALE_NAMES[name]] = s
+    return Weight(spec, q, s)
 
 
 def bias_dtype(spec: KernelSpec) -> str:
@@ -109,7 +155,7 @@ def _activation(act: str, v: tirx.PrimExpr) -> tirx.PrimExpr:
 
 
 def _gate_and_bias(
-    spec: KernelSpec, tensors: dict[str, te.Tensor], dot: Callable[[WeightReader, str], te.Tensor]
+    spec: KernelSpec, tensors: dict[str, te.Tensor], dot: Callable[[Weight, str], te.Tensor]
 ) -> tuple[te.Tensor | None, te.Tensor | None]:
     """The optional inputs of the up part: gate rows (→ their dot products) and the up bias."""
     n = spec.n_rows
@@ -139,11 +185,11 @@ def describe(spec: KernelSpec, batched: bool = False) -> KernelDesc:
         tensors["x"] = x
         w_up = weight(spec, "w_up", tensors)
 
-        def _dot(w: WeightReader, name: str) -> te.Tensor:
-            r = te.reduce_axis((0, d), name="r")
+        def _dot(w: Weight, name: str) -> te.Tensor:
+            r = te.reduce_axis((0, dot_extent(spec)), name="r")
             return te.compute(
                 (*tok, k),
-                lambda *ij: te.sum(w(idx[ij[-1]], r) * x[(*ij[:-1], r)], axis=r),
+                lambda *ij: te.sum(w.dot_term(idx[ij[-1]], r, lambda c: x[(*ij[:-1], c)]), axis=r),
                 name=name,
             )  # [t?, k]
 
@@ -169,7 +215,7 @@ def describe(spec: KernelSpec, batched: bool = False) -> KernelDesc:
         rj = te.reduce_axis((0, k), name="rj")
         y = te.compute(
             (*tok, d),
-            lambda *ti: te.sum(h[(*ti[:-1], rj)] * w_down_t(idx[rj], ti[-1]), axis=rj),
+            lambda *ti: te.sum(w_down_t.value(idx[rj], ti[-1], h[(*ti[:-1], rj)]), axis=rj),
             name="y",
         )  # [t?, d_model]
         out = y
@@ -202,11 +248,11 @@ def describe_partitioned(spec: KernelSpec, partitions: int, batched: bool = Fals
         # (TVM 0.27), so the index is clamped instead: every load stays in bounds.
         return idx[tirx.min(p * S + jj, k - 1)]
 
-    def _dot(w: WeightReader, name: str) -> te.Tensor:
-        r = te.reduce_axis((0, d), name="r")
+    def _dot(w: Weight, name: str) -> te.Tensor:
+        r = te.reduce_axis((0, dot_extent(spec)), name="r")
         return te.compute(
             (P, S, *tok),
-            lambda p, jj, *tt: te.sum(w(row(p, jj), r) * x[(*tt, r)], axis=r),
+            lambda p, jj, *tt: te.sum(w.dot_term(row(p, jj), r, lambda c: x[(*tt, c)]), axis=r),
             name=name,
         )  # [P, S, t?]
 
@@ -225,7 +271,7 @@ def describe_partitioned(spec: KernelSpec, partitions: int, batched: bool = Fals
     rj = te.reduce_axis((0, S), name="rj")
     y_part = te.compute(
         (P, *tok, d),
-        lambda p, *ti: te.sum(h[(p, rj, *ti[:-1])] * w_down_t(row(p, rj), ti[-1]), axis=rj),
+        lambda p, *ti: te.sum(w_down_t.value(row(p, rj), ti[-1], h[(p, rj, *ti[:-1])]), axis=rj),
         name="y_part",
     )  # [P, t?, d_model]
     rp = te.reduce_axis((0, P), name="rp")

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import tvm
 from tvm import s_tir, tirx
 
-from .compute import KernelDesc
+from .compute import CHUNK, KernelDesc, dot_extent
 from .cpu_rewrite import Prefetch, add_prefetch, guard_inactive_rows
 from .spec import KernelSpec, skips_inactive
 
@@ -62,6 +62,7 @@ class CpuScheduleParams:
     down_chunk: int  # y elements per parallel task (a multiple of down_lanes, divides d_model)
     prefetch: bool = True  # software-prefetch the next selected row while streaming this one
     skip_inactive: bool = True  # fused relu kinds, one token: rows whose activation is 0 skip their other reads
+    weight_vec: int = 0  # vector width of the up lanes' weight loads (0: all up_lanes; quantized: 16, see below)
 
 
 def _largest_divisor(d: int, candidates: tuple[int, ...]) -> int:
@@ -83,11 +84,41 @@ def default_params(spec: KernelSpec, cores: int | None = None) -> CpuSchedulePar
     narrow = spec.weight_dtype == "float16" and spec.kind in ("up", "up_gated")
     up_lanes = _largest_divisor(d, (32, 16, 8, 4, 2) if narrow else (64, 32, 16, 8, 4, 2))
     down_lanes = _largest_divisor(d, (64, 32, 16, 8, 4, 2))
+    weight_vec = 0
+    if spec.quantized:
+        # 64 lanes span several blocks (and int4 interleaves two half-blocks in one byte run): they are
+        # unrolled into 16-lane vectors, each inside one half-block, so every load is a contiguous 16
+        # (int8: 16-byte, int4: 16-byte of nibble pairs, one half each) and the scale one broadcast
+        # (d_model is a multiple of the block, >= 32, so 64 | d or 32 | d; dot_extent is a multiple of 16)
+        up_lanes = _largest_divisor(dot_extent(spec), (64, 32, 16))
+        down_lanes = _largest_divisor(d, (64, 32))
+        weight_vec = 16
     sizes = (4096, 2048, 1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1)
     candidates = [c for c in sizes if c % down_lanes == 0 and d % c == 0]
     enough = [c for c in candidates if d // c >= cores]
     chunk = enough[0] if enough else candidates[-1]
-    return CpuScheduleParams(up_lanes=up_lanes, down_lanes=down_lanes, down_chunk=chunk)
+    return CpuScheduleParams(up_lanes=up_lanes, down_lanes=down_lanes, down_chunk=chunk, weight_vec=weight_vec)
+
+
+def _up_elems(spec: KernelSpec, p: CpuScheduleParams) -> int:
+    """Weight elements of a row one iteration of a dot product's streaming loop reads: ``up_lanes`` terms of
+    ``dot_extent``, each of ``B / 16`` elements for quantized weights."""
+    return p.up_lanes * (spec.block // CHUNK if spec.quantized else 1)
+
+
+def _lane_loops(p: CpuScheduleParams) -> int:
+    """Loops a dot product's lanes take after ``_vectorize_lanes``: 2 when split into vectors, else 1."""
+    return 2 if p.weight_vec and p.up_lanes > p.weight_vec else 1
+
+
+def _vectorize_lanes(sch: s_tir.Schedule, lane: s_tir.LoopRV, vec: int) -> None:
+    """Vectorise a dot product's lane loop; with ``vec`` (quantized weights) as ``[lanes / vec]`` unrolled
+    ``vec``-wide vectors (see ``default_params``)."""
+    extent = int(sch.get(lane).extent)
+    if vec and extent > vec:
+        outer, lane = sch.split(lane, [None, vec])
+        sch.unroll(outer)
+    sch.vectorize(lane)
 
 
 def build_cores() -> int:
@@ -178,20 +209,20 @@ def _schedule_up(sch: s_tir.Schedule, spec: KernelSpec, p: CpuScheduleParams, ba
             lane, *r_out = sch.get_loops(rf)[n_anchor:]
             if r_out:
                 sch.reorder(r_out[0], lane)
-            sch.vectorize(lane)
+            _vectorize_lanes(sch, lane, p.weight_vec)
             sch.set_scope(rf, 0, "global")  # stack, not a per-row workspace call (module doc)
             sch.unroll(sch.get_loops(blk)[n_anchor])  # the last lane-sum (2 lanes, or all without a tree)
     sch.parallel(j_loop)
     # init statements are split off only after parallel() (it needs the compact reduction block)
     plan = []
+    n_lane = _lane_loops(p)
     for name in trees:
-        for rf in trees[name]:
-            below = sch.get_loops(rf)[n_anchor:]  # [r_out, lane] after the reorder, or [lane]
-            if len(below) == 2:
-                sch.decompose_reduction(rf, below[0])
-        below = sch.get_loops(trees[name][0])[n_anchor:]
-        if len(below) == 2:
-            plan.append(Prefetch(f"w_{name}", _loop_var(sch, j_loop), None, _loop_var(sch, below[0]), p.up_lanes, 1))
+        for level in trees[name][1:]:
+            sch.decompose_reduction(level, sch.get_loops(level)[n_anchor])  # [lo, lane]
+        below = sch.get_loops(trees[name][0])[n_anchor:]  # [r_out, lane(s)] after the reorder, or [lane(s)]
+        if len(below) > n_lane:
+            sch.decompose_reduction(trees[name][0], below[0])
+            plan.append(Prefetch(f"w_{name}", _loop_var(sch, j_loop), None, _loop_var(sch, below[0]), _up_elems(spec, p), 1))
     return plan
 
 
@@ -208,7 +239,7 @@ def _schedule_down(sch: s_tir.Schedule, spec: KernelSpec, p: CpuScheduleParams, 
     order = [io, rj] + ([t_loop] if t_loop is not None else []) + [im, iv]
     sch.reorder(*order)
     sch.parallel(io)
-    sch.vectorize(iv)
+    _vectorize_lanes(sch, iv, p.weight_vec)
     sch.decompose_reduction(y_block, rj)
 
 
@@ -247,7 +278,7 @@ def _order_part_rows(sch: s_tir.Schedule, yp: s_tir.SBlockRV, p: CpuSchedulePara
         part, i, rj = sch.get_loops(yp)
         sch.reorder(part, rj, i)
     _, iv = sch.split(i, [None, p.down_lanes])
-    sch.vectorize(iv)
+    _vectorize_lanes(sch, iv, p.weight_vec)
     return part, rj
 
 
@@ -267,7 +298,8 @@ def _place_dot(sch: s_tir.Schedule, spec: KernelSpec, name: str, h_blk: s_tir.SB
     return rj
 
 
-def _place_part_tree(sch: s_tir.Schedule, name: str, tree: list[s_tir.SBlockRV], anchor: s_tir.LoopRV) -> None:
+def _place_part_tree(sch: s_tir.Schedule, name: str, tree: list[s_tir.SBlockRV], anchor: s_tir.LoopRV,
+                     vec: int = 0) -> None:
     """The lane-sum tree of dot product ``name`` at its row loop ``anchor``: levels (consumers first) and the
     main accumulator vectorised along the lanes, on the stack."""
     for level in reversed(tree[1:]):  # consumers first
@@ -277,14 +309,14 @@ def _place_part_tree(sch: s_tir.Schedule, name: str, tree: list[s_tir.SBlockRV],
         sch.unroll(lo)
         sch.set_scope(level, 0, "global")
     sch.compute_at(tree[0], anchor)
-    sch.vectorize(sch.get_loops(tree[0])[-1])  # the lanes
+    _vectorize_lanes(sch, sch.get_loops(tree[0])[-1], vec)  # the lanes
     sch.set_scope(tree[0], 0, "global")  # stack, not a per-row workspace call (module doc)
     sch.unroll(sch.get_loops(sch.get_sblock(name))[-1])  # the last lane-sum (2 lanes, or all without a tree)
 
 
 def _place_part_dots(sch: s_tir.Schedule, spec: KernelSpec, names: tuple[str, ...],
                      trees: dict[str, list[s_tir.SBlockRV]], part: s_tir.LoopRV, rj: s_tir.LoopRV,
-                     skip: bool) -> dict[str, s_tir.LoopRV]:
+                     skip: bool, vec: int = 0) -> dict[str, s_tir.LoopRV]:
     """compute_at ``h`` and every dot product (with its tree) in the part; returns each dot's row loop.
     skip: the blocks that decide whether a row is active (gated: gate; ffn_relu: up and h) run first for
     all the part's rows, then the row loop reads the rest of the active rows only (see guard_inactive_rows)."""
@@ -294,12 +326,13 @@ def _place_part_dots(sch: s_tir.Schedule, spec: KernelSpec, names: tuple[str, ..
     for name in names:
         anchors[name] = _place_dot(sch, spec, name, h_blk, part, rj, skip)
         if name in trees:
-            _place_part_tree(sch, name, trees[name], anchors[name])
+            _place_part_tree(sch, name, trees[name], anchors[name], vec)
     return anchors
 
 
 def _decompose_part_dots(sch: s_tir.Schedule, trees: dict[str, list[s_tir.SBlockRV]],
-                         anchors: dict[str, s_tir.LoopRV], has_r_out: bool) -> dict[str, tuple[tirx.Var, tirx.Var]]:
+                         anchors: dict[str, s_tir.LoopRV], has_r_out: bool,
+                         n_lane: int = 1) -> dict[str, tuple[tirx.Var, tirx.Var]]:
     """Split off the trees' init statements (only after parallel(): see _schedule_up); returns the dot
     products' weight streams: buffer -> (its row loop, the loop streaming a row)."""
     streams: dict[str, tuple[tirx.Var, tirx.Var]] = {}
@@ -307,7 +340,7 @@ def _decompose_part_dots(sch: s_tir.Schedule, trees: dict[str, list[s_tir.SBlock
         for level in tree[1:]:
             sch.decompose_reduction(level, sch.get_loops(level)[-2])
         if has_r_out:
-            r_out = sch.get_loops(tree[0])[-2]
+            r_out = sch.get_loops(tree[0])[-1 - n_lane]
             sch.decompose_reduction(tree[0], r_out)
             streams[f"w_{name}"] = (_loop_var(sch, anchors[name]), _loop_var(sch, r_out))
     return streams
@@ -317,7 +350,7 @@ def _part_prefetch_plan(spec: KernelSpec, p: CpuScheduleParams, streams: dict[st
                         part: tirx.Var, skip: bool) -> list[Prefetch]:
     """The prefetch plan of the partitioned kernel's weight ``streams``: every stream the next selected row
     of its own weights, or, skipping inactive rows, only the rows that are read."""
-    lanes = {"w_gate": p.up_lanes, "w_up": p.up_lanes, "w_down_t": p.down_lanes}
+    lanes = {"w_gate": _up_elems(spec, p), "w_up": _up_elems(spec, p), "w_down_t": p.down_lanes}
     decider = "gate" if spec.gated else "h"  # the buffer whose value says whether a row is active
 
     def entry(target: str, stream: str, ahead: int, only_active: bool = False) -> Prefetch:
@@ -362,10 +395,11 @@ def _schedule_partitioned(
     yp = sch.get_sblock("y_part")
     part, rj = _order_part_rows(sch, yp, p, batched)
     skip = _skips_inactive(spec, p, batched)
-    anchors = _place_part_dots(sch, spec, names, trees, part, rj, skip)
+    anchors = _place_part_dots(sch, spec, names, trees, part, rj, skip, p.weight_vec)
     sch.parallel(part)
-    streams = _decompose_part_dots(sch, trees, anchors, spec.d_model // p.up_lanes > 1)  # compute_at drops unit loops
-    io_loop = sch.get_loops(yp)[-2]  # the down rows: y_part loops are [part, rj, t?, i_out, i_lane]
+    streams = _decompose_part_dots(sch, trees, anchors, dot_extent(spec) // p.up_lanes > 1, _lane_loops(p))  # compute_at drops unit loops
+    # the down rows: y_part loops are [part, rj, t?, i_out, i_lane] (quantized: i_lane split in two)
+    io_loop = sch.get_loops(yp)[-1 - (2 if p.weight_vec and p.down_lanes > p.weight_vec else 1)]
     if spec.d_model // p.down_lanes > 1:
         streams["w_down_t"] = (_loop_var(sch, rj), _loop_var(sch, io_loop))
     rj_var, part_var = _loop_var(sch, rj), _loop_var(sch, part)

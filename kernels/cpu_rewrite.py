@@ -155,23 +155,40 @@ def guard_inactive_rows(func: tirx.PrimFunc, spec: KernelSpec, rj: tirx.Var, par
     return _rewrite_loops(func, {rj: guarded})
 
 
+_SCALES = {"w_up": "s_up", "w_gate": "s_gate", "w_down_t": "s_down"}  # = compute.SCALE_NAMES
+
+
+def _row_prefetch(bufs: dict, w_name: str, row: tirx.PrimExpr, col: tirx.PrimExpr, n_elems: int) -> list[tirx.Stmt]:
+    """Prefetches of elements ``col : col + n_elems`` of a row of weight ``w_name``; a quantized weight's
+    quants (int4: two elements a byte) and the line of its scales that covers them."""
+    w = bufs[w_name]
+    scales = bufs.get(_SCALES.get(w_name, ""))
+    if scales is None:
+        return _prefetch(w, row, col, n_elems)
+    per_byte = 2 if w.dtype == "uint8" else 1  # int4: nibble pairs
+    block = (int(w.shape[1]) * per_byte) // int(scales.shape[1])  # elements per scale
+    stmts = _prefetch(w, row, tirx.floordiv(col, per_byte), max(1, n_elems // per_byte))
+    return stmts + _prefetch(scales, row, tirx.floordiv(col, block), 1)
+
+
 def add_prefetch(func: tirx.PrimFunc, plan: list[Prefetch], partitions: int | None) -> tirx.PrimFunc:
     """Insert, at the start of each streaming loop of the plan, prefetches of the lines of a selected row
     at the loop's offset (see :class:`Prefetch`). The row is ``idx[min(j + ahead, k - 1)]`` with ``j = jj``
     or ``p * S + jj`` (the partitioned row numbering of ``compute.describe_partitioned``); the clamp keeps
-    the ``idx`` load in bounds."""
+    the ``idx`` load in bounds. Quantized weights: their quants' lines and their scales' line."""
     bufs = _buffers(func)
     idx = bufs["idx"]
     k = idx.shape[0]
     inserts: dict[tirx.Var, list[tirx.Stmt]] = {}
     for w_name, jj, part, stream, n_elems, ahead, only_active in plan:
         w = bufs[w_name]
-        if n_elems * (tvm.DataType(w.dtype).bits // 8) < _LINE_BYTES // 2:
+        per_byte = 2 if w_name in _SCALES and _SCALES[w_name] in bufs and w.dtype == "uint8" else 1
+        if n_elems * (tvm.DataType(w.dtype).bits // 8) // per_byte < _LINE_BYTES // 2:
             continue  # narrow vectors (odd d_model): a prefetch per few elements would cost more than it saves
         size = tirx.floordiv(k + (partitions or 1) - 1, partitions or 1)  # rows per part
         j = jj if part is None else part * size + jj
         row = tirx.BufferLoad(idx, [tirx.min(j + ahead, k - 1)])
-        stmts = _prefetch(w, row, stream * n_elems, n_elems)
+        stmts = _row_prefetch(bufs, w_name, row, stream * n_elems, n_elems)
         if only_active is not None:  # only if that row is active (its decider value is known already)
             value = tirx.BufferLoad(_root_buffer(func, only_active), [part, tirx.min(jj + ahead, size - 1)])
             stmts = [tirx.IfThenElse(_is_active(only_active, value), _seq(stmts), None)]

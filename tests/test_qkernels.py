@@ -7,6 +7,8 @@ float32 kernels' one: max abs error / max abs reference below ``TOL``.
 from __future__ import annotations
 
 import functools
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -36,8 +38,8 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(spec: KernelSpec, cache_dir: Path):  # -> SparseKernel
-    return load_kernel(build_kernel(spec, cache_dir), spec)
+def _kernel(spec: KernelSpec, cache_dir: Path, mcpu: str | None = None):  # -> SparseKernel
+    return load_kernel(build_kernel(spec, cache_dir, mcpu=mcpu), spec)
 
 
 def _act(act: str, v: torch.Tensor) -> torch.Tensor:
@@ -52,8 +54,10 @@ def _quantized(spec: KernelSpec, gen: torch.Generator) -> tuple[torch.Tensor, to
     return as_aligned(q), as_aligned(s), dequantize(q, s, torch.float64)
 
 
-def _run(spec: KernelSpec, cache_dir: Path, k: int, tokens: int | None, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the kernel of ``spec`` on random quantized weights and ``k`` random rows; (out, float64 reference)."""
+def _run(spec: KernelSpec, cache_dir: Path, k: int, tokens: int | None, seed: int = 0,
+         mcpu: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the kernel of ``spec`` on random quantized weights and ``k`` random rows (on the spec's device);
+    (out on the CPU, float64 reference)."""
     gen = torch.Generator().manual_seed(seed)
     d, n = spec.d_model, spec.n_rows
     up, gate, down = (_quantized(spec, gen) for _ in range(3))
@@ -73,7 +77,15 @@ def _run(spec: KernelSpec, cache_dir: Path, k: int, tokens: int | None, seed: in
     args = {"x": x, "w_up": up[0], "s_up": up[1], "w_gate": gate[0] if spec.gated else None,
             "s_gate": gate[1] if spec.gated else None, "b_up": b_up, "w_down_t": down[0], "s_down": down[1],
             "idx": idx, "h": h_in if spec.kind == "down" else out, "y": out}
-    _kernel(spec, cache_dir)(*(args[a] for a in call_args(spec)))
+    if spec.is_cuda:
+        dev = {a: None if t is None else t.cuda() for a, t in args.items()}
+        name = "y" if spec.has_down else "h"  # the output
+        dev[name] = torch.full_like(dev[name], float("nan"))
+        _kernel(spec, cache_dir)(*(dev[a] for a in call_args(spec)))
+        torch.cuda.synchronize()
+        out = dev[name].cpu()
+    else:
+        _kernel(spec, cache_dir, mcpu)(*(args[a] for a in call_args(spec)))
     if spec.has_down:
         h = h_in.double() if spec.kind == "down" else ref_h
         return out, h @ down[2][rows]
@@ -100,6 +112,15 @@ def test_quantized_cpu_kernel_matches_reference(case: tuple, cache_dir: Path) ->
         out, ref = _run(spec, cache_dir, k, tokens, seed=k)
         err = float((out.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
         assert err < TOL, f"k={k}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("kind, wdt", [("ffn_gated", "int4"), ("ffn_relu", "int8")])
+def test_quantized_kernel_for_avx2_cpus(kind: str, wdt: str, tmp_path: Path) -> None:
+    """Built for ``x86-64-v3`` (AVX2, no AVX-512: LLVM's generic lowering of the same TIR), still exact."""
+    spec = KernelSpec(kind, ACT[kind], 256, 40, wdt, False, "llvm")
+    out, ref = _run(spec, tmp_path, 13, None, mcpu="x86-64-v3")
+    assert "x86-64-v3" in (tmp_path / f"{spec.key()}.json").read_text()  # the compile target it was built for
+    assert float((out.double() - ref).abs().max() / ref.abs().max()) < TOL
 
 
 def test_quantized_spec_key_and_checks() -> None:
@@ -134,3 +155,34 @@ def test_quantized_argument_checks(cache_dir: Path) -> None:
     with pytest.raises(KernelArgumentError, match="s_gate must be None"):
         kern(x, q, s, None, s, None, idx, h)
 
+
+
+# -- CUDA ------------------------------------------------------------------------------------------
+def _nvcc() -> str | None:
+    candidate = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "bin" / "nvcc"
+    return shutil.which("nvcc") or (str(candidate) if candidate.exists() else None)
+
+
+@pytest.mark.skipif(_nvcc() is None, reason="nvcc not found (CUDA toolkit not installed)")
+@pytest.mark.parametrize("kind, wdt, arch", [("ffn_gated", "int4", "sm_80"), ("ffn_relu", "int8", "sm_89"),
+                                             ("down", "int4", "sm_90"), ("up_gated", "int8", "sm_90")])
+def test_quantized_cuda_kernels_compile_with_nvcc(kind: str, wdt: str, arch: str, tmp_path: Path) -> None:
+    spec = KernelSpec(kind, ACT[kind], 256, 64, wdt, False, f"cuda:{arch}")
+    lib = build_kernel(spec, tmp_path).read_bytes()
+    source = (tmp_path / f"{spec.key()}.cu").read_text()
+    cubin = (tmp_path / f"{spec.key()}.cubin").read_bytes()
+    assert "__global__" in source and ("s_down" in source or "s_up" in source)  # the scales are read
+    assert cubin[:4] == b"\x7fELF" and cubin in lib
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [c for c in CASES if c[6] is None], ids=lambda c: "-".join(map(str, c)))
+def test_quantized_cuda_kernel_matches_reference(case: tuple, cache_dir: Path) -> None:
+    kind, wdt, block, d, n, bias, _ = case
+    major, minor = torch.cuda.get_device_capability()
+    spec = KernelSpec(kind, ACT[kind], d, n, wdt, bias, f"cuda:sm_{major}{minor}", block=block)
+    for k in (1, n // 3, n):
+        out, ref = _run(spec, cache_dir, k, None, seed=k)
+        assert not torch.isnan(out).any()
+        err = float((out.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+        assert err < TOL, f"k={k}: relative error {err:.2e}"
