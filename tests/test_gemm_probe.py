@@ -32,9 +32,11 @@ def test_probe_reports_each_fast_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_report_warns_only_far_below_the_probe() -> None:
     probe = {"float32": 100.0, "bfloat16": 300.0}
-    slow = _prefill_gemm_notes({"gemm_probe_gflops": probe, "prefill_gemm_gflops": 60.0, "prompt_len": 64})
+    big = {"gemm_probe_gflops": probe, "gemm_flop_per_token": 2.07e9, "prompt_len": 64}  # the 1B at prompt 64
+    slow = _prefill_gemm_notes({**big, "prefill_gemm_gflops": 60.0})
     assert len(slow) == 1 and "warning" in slow[0] and "20% of a bare bfloat16 GEMM" in slow[0]
-    fine = _prefill_gemm_notes({"gemm_probe_gflops": probe, "prefill_gemm_gflops": PREFILL_GEMM_WARN * 300 + 1,
-                                "prompt_len": 64})
+    fine = _prefill_gemm_notes({**big, "prefill_gemm_gflops": PREFILL_GEMM_WARN * 300 + 1})
     assert len(fine) == 1 and "warning" not in fine[0]
+    tiny = _prefill_gemm_notes({**big, "gemm_flop_per_token": 1e6, "prefill_gemm_gflops": 1.0})  # dispatch-bound
+    assert len(tiny) == 1 and "warning" not in tiny[0]
     assert _prefill_gemm_notes({"prompt_len": 64}) == []  # no probe (a config the shape reader does not know)

@@ -117,6 +117,7 @@ def _llama_cpp_notes(result: dict[str, Any]) -> list[str]:
 
 
 PREFILL_GEMM_WARN = 0.5  # prefill's GEMM rate under this share of the probe's best: a warning line
+PREFILL_GEMM_MIN_FLOP = 1e10  # … for a prefill of at least this many GEMM FLOPs (a tiny model's is all dispatch)
 
 
 def _prefill_gemm_notes(result: dict[str, Any]) -> list[str]:
@@ -129,6 +130,7 @@ def _prefill_gemm_notes(result: dict[str, Any]) -> list[str]:
     each = ", ".join(f"{k} {v:.0f}" for k, v in probe.items())
     text = (f"prefill GEMMs ran at {rate:.0f} GFLOP/s (all of prefill's time counted), {rate / best:.0%} of a bare "
             f"{dtype} GEMM of the FFN's shape at prompt {result['prompt_len']} here ({each} GFLOP/s)")
-    if rate < PREFILL_GEMM_WARN * best:
+    big = result.get("gemm_flop_per_token", 0) * result["prompt_len"] >= PREFILL_GEMM_MIN_FLOP  # else dispatch-bound
+    if big and rate < PREFILL_GEMM_WARN * best:
         return [f"[yellow]warning: {text}: a prefill GEMM path runs far below this machine's rate[/yellow]"]
     return [f"[dim]{text}[/dim]"]

@@ -58,5 +58,6 @@ def prefill_gemm_rate(config: dict[str, Any], prompt_len: int, prefill_tokens_pe
     """The probe on this model's FFN shape at ``prompt_len`` rows, and the rate prefill ran its GEMMs at."""
     shape = shape_from_hf_config(config)
     probe = probe_gemm(prompt_len, shape.d_model, shape.d_ffn)
-    return {"gemm_probe_gflops": probe,
-            "prefill_gemm_gflops": prefill_tokens_per_s * gemm_flop_per_token(config) / 1e9}
+    flop = gemm_flop_per_token(config)
+    return {"gemm_probe_gflops": probe, "gemm_flop_per_token": flop,
+            "prefill_gemm_gflops": prefill_tokens_per_s * flop / 1e9}
