@@ -6,6 +6,8 @@ rows are permuted into the same hot-then-cold order so the mask is split by slic
 With --weight-dtype float16 the parts' rows are made in float16 here (named as convert-weights names its
 copies, which then finds them done: the same artifact), so a build never holds the FFN rows twice beside the
 converted ones; each layer's original rows are dropped (a mapped checkpoint's pages released) once split.
+The calibration tokens' FFN inputs and masks are dropped first (profiles and thresholds stay): no pass after
+this one reads them, and the build's peak is here and in convert-weights.
 """
 from __future__ import annotations
 
@@ -49,6 +51,8 @@ def _permute_mask_producer(gm: fx.GraphModule, mask: fx.Node, perm: torch.Tensor
 def split_ffn(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
     if ctx.placement is None:
         raise PassError("split-ffn needs place-neurons to run first")
+    for cal in ctx.calibration.values():  # [N, d_model] inputs, [N, n_neurons] masks: done with
+        cal.x, cal.mask = cal.x.new_empty((0, cal.x.shape[-1])), cal.mask.new_empty((0, cal.mask.shape[-1]))
     nodes = ffn_nodes(gm)
     g = gm.graph
     narrow = NARROWED.get(ctx.config.weight_dtype)  # rows made in the artifact's dtype (convert-weights' copies)

@@ -116,17 +116,20 @@ class BuildEstimate:
     weights: int  # the artifact's weights as the build holds them (embeddings stay float32)
     calibration: int  # per layer: the profiled FFN inputs (float32) and masks (bool) of every calibration token
     working: int  # one decoder layer widened to float32, one window's logits and activations
+    embeddings: int = 0  # the embeddings in float32 (part of ``weights``; beside the calibration data)
     base: int = BASE_BYTES
 
     @property
     def total(self) -> int:
-        return self.weights + self.calibration + self.working + self.base
+        """The profiling phase (embeddings widened, calibration data) and the weights phase (split-ffn drops the
+        calibration data before it makes the artifact's rows) do not overlap."""
+        return max(self.weights, self.embeddings + self.calibration) + self.working + self.base
 
     def describe(self) -> str:
         from picompile.formats.manifest_schema import gib
 
-        return (f"{gib(self.total)} (weights {gib(self.weights)}, calibration {gib(self.calibration)}, "
-                f"working {gib(self.working)}, runtime {gib(self.base)})")
+        return (f"{gib(self.total)} (weights {gib(self.weights)} or, before them, calibration "
+                f"{gib(self.calibration)}; working {gib(self.working)}, runtime {gib(self.base)})")
 
 
 def estimate_build(dims: dict[str, int], weight_dtype: str = "float32", calibration_tokens: int = 4096,
@@ -139,7 +142,7 @@ def estimate_build(dims: dict[str, int], weight_dtype: str = "float32", calibrat
     weights = int(4 * p["embeddings"] + out * (p["lm_head"] + p["layers"]) + 2 * predictor_budget * n_l * p["ffn_layer"])
     calibration = calibration_tokens * n_l * (4 * h + ffn)
     working = 4 * p["layer"] + 4 * CHUNK_TOKENS * (v + 8 * max(h, ffn)) + 8 * calibration_tokens * ffn
-    return BuildEstimate(weights=weights, calibration=calibration, working=working)
+    return BuildEstimate(weights=weights, calibration=calibration, working=working, embeddings=4 * p["embeddings"])
 
 
 def available_memory_bytes() -> int:
