@@ -77,7 +77,8 @@ def quantize(w: Tensor, fmt: QFormat) -> tuple[Tensor, Tensor]:
     if fmt.name == "int8":
         d = x.abs().amax(-1) / 127.0  # [rows, n_blocks]
         inv = torch.where(d != 0, 1.0 / torch.where(d != 0, d, 1.0), 0.0)
-        q = torch.round(x * inv[..., None]).to(torch.int8).reshape(rows, cols)
+        v = x * inv[..., None]
+        q = (torch.sign(v) * torch.floor(v.abs() + 0.5)).to(torch.int8).reshape(rows, cols)  # roundf: ties away from 0
         return q.contiguous(), d.to(torch.float16).contiguous()
     idx = x.abs().argmax(-1, keepdim=True)
     d = torch.gather(x, -1, idx).squeeze(-1) / -8.0  # [rows, n_blocks]

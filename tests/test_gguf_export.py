@@ -178,8 +178,7 @@ def test_quantize_refuses_bad_input(tmp_path: Path, tiny_gguf: dict[str, Path]) 
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
 def test_llama_quantize_matches_qformat(tiny: Path, tiny_gguf: dict[str, Path], tmp_path: Path, qtype: str) -> None:
     """llama-quantize's q8_0 / q4_0 of the f16 GGUF dequantize to what kernels/qformat gives the same f16 weights:
-    q4_0 exactly; q8_0 but for exact ties ``x / d = k + 0.5``, one step apart: llama.cpp's ``roundf`` rounds them
-    away from zero, qformat's ``torch.round`` to even (seen: 54 of 884736 elements of the tiny model, all ties)."""
+    exactly (q8_0's ties ``x / d = k + 0.5`` included: both round them away from zero, as C's ``roundf``)."""
     from picompile.formats.gguf_export import quantize_gguf
     from picompile.kernels.qformat import QFormat, dequantize, quantize
 
@@ -199,7 +198,4 @@ def test_llama_quantize_matches_qformat(tiny: Path, tiny_gguf: dict[str, Path], 
         w = torch.from_numpy(np.asarray(f16[name].data, dtype=np.float32).reshape(got.shape))
         q, scales = quantize(w, fmt)
         ref = dequantize(q, scales).numpy()
-        step = np.abs(np.repeat(scales.float().numpy(), fmt.block, axis=1))  # one quant step, per element
-        off = np.abs(got - ref)
-        assert (off <= step * 1.001).all(), name  # never more than one step apart
-        assert (off > 0).mean() < 1e-3, (name, int((off > 0).sum()))  # and that rarely
+        assert np.array_equal(got, ref), (name, int((got != ref).sum()))

@@ -42,3 +42,12 @@ def test_bad_shapes_are_refused() -> None:
         QFormat("int4", 48)
     with pytest.raises(ValueError, match="not a quantized weight"):
         format_of(torch.zeros(4, 32), torch.zeros(4, 1, dtype=torch.float16))
+
+
+def test_int8_ties_round_away_from_zero_as_roundf() -> None:
+    # a block whose max is 127 · 0.5 makes d = 0.5 exactly: 0.25 / 0.5 = 0.5 and -1.25 / 0.5 = -2.5 are ties
+    w = torch.zeros(1, 32)
+    w[0, 0], w[0, 1], w[0, 2] = 63.5, 0.25, -1.25
+    q, s = quantize(w, QFormat("int8", 32))
+    assert s[0, 0].item() == 0.5
+    assert q[0, :3].tolist() == [127, 1, -3]  # torch.round (ties to even) would give 0 and -2
