@@ -127,12 +127,12 @@ def compile_step(decode_gm: fx.GraphModule, prefill_gm: fx.GraphModule) -> StepF
     # every thread, decode's run on one — a decode step's glue is tiny, and waking OpenMP workers for each
     # loop costs more than it saves (measured: 53.9 against 55.5 ms per 1B f16 step, while one-thread
     # loops slowed prefill from 74 to 67 tok/s); the kernels and torch's GEMMs keep every thread
-    # decode's graph also gets inductor's C++ wrapper: the step's ~90 kernel calls and fused loops are
-    # launched from generated C++ instead of a generated Python function (measured: 61.2 against 63.8 ms
-    # per 1B f16 step, one process, 8 interleaved rounds, faster in every round); prefill's wrapper time is
-    # nothing next to its GEMMs, so it keeps the Python wrapper, which compiles faster
     prefill = torch.compile(prefill_gm, dynamic=True)
-    decode = torch.compile(decode_gm, dynamic=True, options={"cpp.threads": 1, "cpp_wrapper": True})
+    # no C++ wrapper (it measured ~4 % faster per step): torch 2.13's wrapper calls a fallback op through
+    # callBoxed with the node's arguments minus trailing defaults, which the dispatcher then reads past —
+    # heap corruption for every picompile op called without its trailing optional arguments (the int8/int4
+    # scale arguments s_up, s_gate, s_down of float artifacts); the Python wrapper fills defaults in
+    decode = torch.compile(decode_gm, dynamic=True, options={"cpp.threads": 1})
 
     def step(ids: Tensor, *past: Tensor) -> tuple[Tensor, ...]:
         for t in past:  # the KV length varies: one decode graph for every length (no recompile at +1)
