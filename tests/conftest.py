@@ -70,3 +70,20 @@ def default_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     out = tmp_path_factory.mktemp("default") / "default.pic"
     return picompile.build(default_model(), output=out, emit=lambda s: None, progress=False)
+
+
+@pytest.fixture(autouse=True)
+def _restore_process_state():
+    """Each test leaves torch's thread count and the environment as it found them (a session or server run
+    in-process sets threads for its decode; later tests' float sums, and so reproducibility checks, depend on it)."""
+    import os
+
+    import torch
+
+    threads, env = torch.get_num_threads(), dict(os.environ)
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    if dict(os.environ) != env:
+        os.environ.clear()
+        os.environ.update(env)

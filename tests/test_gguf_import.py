@@ -112,7 +112,7 @@ def test_dequantized_tensors_equal_llama_cpp(qtype: str, tmp_path: Path) -> None
 @pytest.mark.parametrize("qtype,fmt", [("Q8_0", "int8"), ("Q4_0", "int4")])
 def test_q8_0_q4_0_blocks_kept_bit_for_bit(qtype: str, fmt: str, tmp_path: Path) -> None:
     """Re-quantized with qformat (llama.cpp's rounding), every imported linear gives back the file's blocks."""
-    from kernels.qformat import QFormat, quantize
+    from picompile.kernels.qformat import QFormat, quantize
     from picompile.formats.gguf_export import permute_qk
     from picompile.frontend.gguf import hf_name
 
