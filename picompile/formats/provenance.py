@@ -26,7 +26,8 @@ MACHINE_CONFIG_KEYS: tuple[str, ...] = ("_name_or_path", "name_or_path", "_commi
 TIMING_SUFFIXES: tuple[str, ...] = ("_time_s", "_seconds", "_secs")
 
 
-def _sha256_file(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """The hex sha256 of a file's bytes, read in 1 MiB blocks (sources, tokenizer files, GGUF caches)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(1 << 20):
@@ -37,10 +38,10 @@ def _sha256_file(path: Path) -> str:
 def source_digest(path: Path) -> str:
     """sha256 of a source file, or of a checkpoint directory's files (names and contents, top level, sorted)."""
     if path.is_file():
-        return _sha256_file(path)
+        return sha256_file(path)
     h = hashlib.sha256()
     for f in sorted(p for p in path.iterdir() if p.is_file()):
-        h.update(f.name.encode() + b"\0" + _sha256_file(f).encode() + b"\n")
+        h.update(f.name.encode() + b"\0" + sha256_file(f).encode() + b"\n")
     return h.hexdigest()
 
 

@@ -16,7 +16,6 @@ GGML type.
 """
 from __future__ import annotations
 
-import hashlib
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,6 +25,7 @@ import torch
 
 from picompile.errors import ModelLoadError, UnsupportedArchitectureError
 from picompile.frontend.base import check_config_bounds
+from picompile.formats.provenance import sha256_file
 
 if TYPE_CHECKING:
     from transformers import LlamaForCausalLM
@@ -280,12 +280,6 @@ def load_weights(reader: Any, model: torch.nn.Module, config: dict[str, Any], pa
     return types
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
 
 
 def load_gguf(path: Path) -> tuple["LlamaForCausalLM", dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
@@ -298,7 +292,7 @@ def load_gguf(path: Path) -> tuple["LlamaForCausalLM", dict[str, Any], dict[str,
     model = _meta_model(config)
     types = load_weights(reader, model, config, path)
     model.eval()
-    digest = _sha256(path)
+    digest = sha256_file(path)
     tok = tokenizer_dir(path, digest, reader)
     counts: dict[str, int] = {}
     for q in types.values():
