@@ -76,15 +76,26 @@ def lift_weights(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[str], dict[st
 # node metadata that differs between two builds of the same graph: the source lines of the build machine
 # (absolute paths) and the ids of the Python objects the graph passed through
 BUILD_METADATA: tuple[str, ...] = ("stack_trace", "from_node")
+# keys torch.export's dynamo wrappers annotate into node.meta["custom"]; "_torchdynamo_disable_method" names the
+# wrapped function, which depends on what the process traced before (a second build in one process differs)
+DYNAMO_ANNOTATIONS: tuple[str, ...] = ("_torchdynamo_disable", "_torchdynamo_disable_recursive",
+                                       "_torchdynamo_disable_method")
 
 
 def strip_build_metadata(ep: torch.export.ExportedProgram) -> None:
-    """Drop the node metadata that would make graph.pt2 depend on the build machine and run (BUILD_METADATA)."""
+    """Drop the node metadata that would make graph.pt2 depend on the build machine and run (BUILD_METADATA,
+    and torch.export's own DYNAMO_ANNOTATIONS in ``meta["custom"]``)."""
     for module in ep.graph_module.modules():
         if isinstance(module, fx.GraphModule):
             for node in module.graph.nodes:
                 for key in BUILD_METADATA:
                     node.meta.pop(key, None)
+                custom = node.meta.get("custom")
+                if isinstance(custom, dict):
+                    for key in DYNAMO_ANNOTATIONS:
+                        custom.pop(key, None)
+                    if not custom:
+                        node.meta.pop("custom")
 
 
 def quantized_section(gm: fx.GraphModule, keys: list[str]) -> dict[str, dict[str, object]]:

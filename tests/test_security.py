@@ -492,8 +492,28 @@ def test_absurd_config_refused_early(config: dict[str, Any], needle: str, checkp
 
 # ----------------------------------------------------------------------------- 8. reproducible builds
 
-@pytest.mark.xfail(strict=False, reason="2026-12-01 merge: passes alone, but in the full suite graph.pt2 differs "
-                   "between the fixture's build and this in-process one (process state left by an earlier test; open)")
+def test_strip_build_metadata_drops_run_dependent_annotations() -> None:
+    """torch.export annotates node.meta["custom"] with the name of the dynamo-disabled function it went through
+    ("trace" or "dispatch_trace", depending on what the process traced before): package drops those keys (a
+    second build in one process wrote a different graph.pt2), and keeps any other custom annotation."""
+    import torch
+
+    from picompile.passes.package import DYNAMO_ANNOTATIONS, strip_build_metadata
+
+    class M(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(x) + 1
+
+    ep = torch.export.export(M(), (torch.ones(3),), strict=False)
+    nodes = [n for n in ep.graph_module.graph.nodes if n.op == "call_function"]
+    nodes[0].meta["custom"] = {**dict.fromkeys(DYNAMO_ANNOTATIONS, "trace"), "mine": 1}
+    nodes[1].meta["custom"] = dict.fromkeys(DYNAMO_ANNOTATIONS, "dispatch_trace")
+    nodes[1].meta["stack_trace"] = "/home/someone/model.py:3"
+    strip_build_metadata(ep)
+    assert nodes[0].meta["custom"] == {"mine": 1}
+    assert "custom" not in nodes[1].meta and "stack_trace" not in nodes[1].meta
+
+
 def test_builds_are_reproducible(default_artifact: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from picompile.builder import default_model
 
