@@ -4,6 +4,7 @@ estimated and refused before loading."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -107,12 +108,13 @@ def test_build_over_max_memory_fails_before_loading(checkpoints: dict, tmp_path:
 
 
 CHILD = """
-import json, resource, sys
+import json, os, resource, sys
 import picompile, picompile.passes, picompile.frontend.hf  # noqa: F401  (what every build imports)
 base = int([l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1]) * 1024
 picompile.build(sys.argv[1], output=sys.argv[2], emit=lambda s: None, progress=False, weight_dtype="float16",
                 pipeline="reference", predictor="none", calibration_tokens=64)
-print(json.dumps({"base": base, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+print(json.dumps({"base": base, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "env": sorted(os.environ)}))
 """
 
 
@@ -125,8 +127,10 @@ def test_bf16_build_peak_rss_below_its_float32_size(tmp_path: Path) -> None:
     cfg = llama_config(1024, 4096, 12, 16, 16, 4096, max_pos=512)
     n = write_random_checkpoint(tmp_path / "ck", cfg, shard_bytes=64 << 20)
     assert n > 200_000_000
+    # env given explicitly: without it the child inherits the C-level environment, where a library loaded by an
+    # earlier test may have set variables os.environ does not show
     out = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "ck"), str(tmp_path / "a.pic")],
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ))
     assert out.returncode == 0, out.stderr[-2000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     float32_bytes = 4 * n
