@@ -157,3 +157,46 @@ def test_streamed_synthetic_checkpoint_is_sharded_bf16_and_sparse(tmp_path: Path
     assert (path / "config.json").stat().st_mtime_ns == stamp
     assert "llama-7b-relu" in STREAMED
     assert 6.6e9 < BUILTIN_MODELS["llama-7b-relu"].n_params < 6.9e9
+
+
+def _resident_kib(addr: int) -> int:
+    """Rss (KiB) of this process's mapping that holds ``addr`` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and head == "Rss:":
+            return int(line.split()[1])
+    raise AssertionError("address not mapped")
+
+
+def test_widening_interpreter_releases_float32_mapped_weights(tmp_path: Path) -> None:
+    """Profiling a float32 checkpoint holds one call's weights, not the model: the mapped pages a call read leave
+    the process after it (they did only for narrower dtypes, so a float32 1B build held its whole 4.4 GB source)."""
+    from torch import fx
+
+    from picompile.sparsity.widen import WideningInterpreter
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(1024, 1024, generator=g)  # [d_out, d_in] float32, 4 MiB
+    write_safetensors(tmp_path / "w.safetensors", {"w": w}, align=64)
+    mapped = map_safetensors(tmp_path / "w.safetensors")["w"]
+
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("w", mapped)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.linear(x, self.w).relu()
+
+    gm = fx.symbolic_trace(M())
+    assert gm.w.data_ptr() == mapped.data_ptr()  # still the mapping
+    x = torch.randn(2, 1024, generator=g)
+    mapped.sum()  # touch every page: resident
+    assert _resident_kib(mapped.data_ptr()) >= 4000
+    out = WideningInterpreter(gm).run(x)
+    torch.testing.assert_close(out, (x @ w.t()).relu())
+    assert _resident_kib(mapped.data_ptr()) < 64

@@ -24,16 +24,17 @@ def widened(t: torch.Tensor | None) -> torch.Tensor | None:
 
 class WideningInterpreter(fx.Interpreter):
     """An fx.Interpreter that widens narrow floating tensor arguments to float32 for each call (the graph computes
-    in float32, so only stored weights are narrow): one widened copy at a time, freed when the call returns."""
+    in float32, so only stored weights are narrow): one widened copy at a time, freed when the call returns; the
+    resident pages of the mapped weights a call read are released after it (float32 ones too)."""
 
     def call_function(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        narrow = [a for a in pytree.tree_leaves((args, kwargs))
-                  if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype != torch.float32]
-        if not narrow:
-            return super().call_function(target, args, kwargs)
-        args, kwargs = pytree.tree_map_only(torch.Tensor, widened, (args, kwargs))
+        stored = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor) and a.is_floating_point()]
+        if any(a.dtype != torch.float32 for a in stored):
+            args, kwargs = pytree.tree_map_only(torch.Tensor, widened, (args, kwargs))
         out = super().call_function(target, args, kwargs)
-        release_pages(narrow)  # a mapped weight's pages leave this process's memory until it is read again
+        # a mapped weight's pages (narrow or float32) leave this process's memory until it is read again: a run
+        # holds one layer's weights, not the checkpoint (tensors that are not mapped are left alone)
+        release_pages(stored)
         return out
 
 
