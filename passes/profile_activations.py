@@ -73,6 +73,7 @@ def profile_activations(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule
     write_profile(ctx.staging_dir / PROFILE_FILE, {i: cal.profile for i, cal in ctx.calibration.items()}, int(ids.numel()))
     ctx.calibration_ids = ids
     ctx.manifest_extra["profile"] = {"file": PROFILE_FILE, "corpus": corpus, "n_tokens": int(ids.numel()),
-                                     "window": window, "active": "relu > 0" if all(
+                                     "window": window, "active": ("relu(gate) > 0 and relu(up) > 0" if any(layer.act == "drelu" for layer in ctx.ffn_layers)
+                                                else "relu > 0") if all(
                                          layer.act in RELU_FAMILY for layer in ctx.ffn_layers) else f"{cfg.act_criterion} score > per-layer threshold ({cfg.act_sparsity:.0%} target sparsity for non-ReLU)"}
     return gm
