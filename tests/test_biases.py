@@ -100,6 +100,29 @@ def test_biased_llama_builds_and_matches_transformers(biased: Path, tmp_path: Pa
     assert man["sections"]["fuse_projections"]["groups"] == 2  # q/k/v of each layer, their biases stacked
 
 
+def test_qwen2_builds_like_llama_with_qkv_biases(tmp_path: Path) -> None:
+    """transformers' Qwen2 (Llama's layers, q/k/v biases without an o bias) captures with the HF frontend; its
+    q/k/v fuse into one linear with the stacked biases."""
+    from transformers import Qwen2Config
+
+    cfg = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, hidden_act="relu", max_position_embeddings=128, tie_word_embeddings=False,
+                      bos_token_id=1, eos_token_id=2, use_sliding_window=False)
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(tmp_path / "qwen2", safe_serialization=True)
+    art = picompile.build(tmp_path / "qwen2", output=tmp_path / "q.pic", predictor="oracle", calibration_tokens=128,
+                          max_seq_len=64, emit=lambda s: None, progress=False)
+    _check_against_hf(art, _hf(tmp_path / "qwen2"))
+    man = json.loads((art / "manifest.json").read_text())
+    assert man["model"]["architecture"] == "Qwen2ForCausalLM"
+    assert man["sections"]["fuse_projections"]["groups"] == 2
+
+
 def test_biased_llama_through_gguf_export_and_import(tmp_path: Path) -> None:
     """HF → gguf_export (blk.N.ffn_{gate,up,down}.bias, attn_{q,k,v,output}.bias, as llama.cpp names them) →
     the GGUF frontend: the same model (llama.cpp's llama graph is SiLU, so the checkpoint is SiLU here)."""

@@ -16,8 +16,10 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "FalconForCausalLM": "falcon",
+    "Qwen2ForCausalLM": "llama",  # Llama's layers with q/k/v biases (no o bias)
 }
-_MODEL_TYPES: dict[str, str] = {"opt": "OPTForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+_MODEL_TYPES: dict[str, str] = {"opt": "OPTForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                                "qwen2": "Qwen2ForCausalLM"}
 # config.json key naming a gated FFN's activation form beyond transformers' ``hidden_act`` (applied to the gate):
 # "drelu" = dReLU, TurboSparse's ``down(relu(gate x) * relu(up x))`` (with ``hidden_act: "relu"``); absent or
 # "gated" = transformers' own ``down(act(gate x) * up x)``
