@@ -333,3 +333,22 @@ def test_gate_bias_spec_rules() -> None:
     from picompile.kernels import skips_inactive
 
     assert skips_inactive("ffn_gated", "drelu") and not skips_inactive("ffn_gated", "relu", gate_bias=True)
+
+
+def test_synthetic_drelu_checkpoint(tmp_path: Path) -> None:
+    """``synthetic --ffn drelu``: a config the HF frontend reads as dReLU, the product's active fraction near the
+    target (each branch biased for sqrt(p)), and a checkpoint whose model computes relu(gate x) * relu(up x)."""
+    from picompile.frontend import load_model
+    from picompile.tools.synthetic import load_stats, make_synthetic
+
+    path = make_synthetic("tiny-llama-relu", tmp_path / "syn", ffn="drelu")
+    config = json.loads((path / "config.json").read_text())
+    assert config["ffn_act"] == "drelu" and config["picompile_synthetic"]["ffn"] == "drelu"
+    active = [r["active"] for r in load_stats(path)]
+    assert all(0.06 < a < 0.16 for a in active), active  # target 0.1
+    model, _ = load_model(str(path))
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(4, mlp.gate_proj.in_features)
+    with torch.no_grad():
+        ref = mlp.down_proj(torch.relu(mlp.gate_proj(x)) * torch.relu(x @ mlp.up_proj.weight.T))
+        assert torch.allclose(mlp(x), ref, atol=1e-6)
