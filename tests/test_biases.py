@@ -201,7 +201,14 @@ def test_canonicalize_and_split_carry_biases(biased: Path, tmp_path: Path) -> No
         for name, ref in (("b_up", mlp.up_proj.bias), ("b_gate", mlp.gate_proj.bias), ("b_down", mlp.down_proj.bias)):
             assert torch.equal(get_tensor(gm, a[name]), ref), name
     gm = run_passes(ctx, ["fold-kv-repeat", "profile-activations", "allocate-sparsity", "train-predictors",
-                          "place-neurons", "insert-predictors", "split-ffn"], gm)
+                          "place-neurons", "insert-predictors"], gm)
+    for layer in ctx.ffn_layers:  # the profile's masks are those of the biased gate: relu(gate x + b_gate) > 0
+        cal, mlp = ctx.calibration[layer.index], hf.model.layers[layer.index].mlp
+        with torch.no_grad():
+            pre = mlp.gate_proj(cal.x)  # [N, n_neurons], with its bias
+        assert torch.equal(cal.mask, pre > 0)
+        assert not torch.equal(cal.mask, cal.x @ mlp.gate_proj.weight.T > 0)  # the bias matters here
+    gm = run_passes(ctx, ["split-ffn"], gm)
     assert count_ops(gm).get("picompile::sparse_ffn", 0) == 4 and count_ops(gm).get("picompile::merge", 0) == 2
     for layer, hot, cold in zip(ctx.ffn_layers, ctx.placement.hot, ctx.placement.cold):
         mlp = hf.model.layers[layer.index].mlp
