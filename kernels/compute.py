@@ -51,6 +51,8 @@ def arg_names(spec: KernelSpec) -> list[str]:
             names += ["w_gate", *(["s_gate"] if q else [])]
         if spec.has_bias:
             names.append("b_up")
+        if spec.gate_bias:
+            names.append("b_gate")
     else:
         names.append("h")
     if spec.has_down:
@@ -147,7 +149,7 @@ def bias_dtype(spec: KernelSpec) -> str:
 
 
 def _activation(act: str, v: tirx.PrimExpr) -> tirx.PrimExpr:
-    if act == "relu":
+    if act in ("relu", "drelu"):  # dReLU: relu on the gate here, on the up branch in _gated_h
         return tirx.max(v, tirx.const(0.0, "float32"))
     if act == "silu":
         return v * tirx.sigmoid(v)
@@ -156,16 +158,29 @@ def _activation(act: str, v: tirx.PrimExpr) -> tirx.PrimExpr:
 
 def _gate_and_bias(
     spec: KernelSpec, tensors: dict[str, te.Tensor], dot: Callable[[Weight, str], te.Tensor]
-) -> tuple[te.Tensor | None, te.Tensor | None]:
-    """The optional inputs of the up part: gate rows (→ their dot products) and the up bias."""
+) -> tuple[te.Tensor | None, te.Tensor | None, te.Tensor | None]:
+    """The optional inputs of the up part: gate rows (→ their dot products), the up bias and the gate bias."""
     n = spec.n_rows
-    gate = b_up = None
+    gate = b_up = b_gate = None
     if spec.gated:
         gate = dot(weight(spec, "w_gate", tensors), "gate")
     if spec.has_bias:
         b_up = te.placeholder((n,), bias_dtype(spec), name="b_up")  # [n_rows]
         tensors["b_up"] = b_up
-    return gate, b_up
+    if spec.gate_bias:
+        b_gate = te.placeholder((n,), bias_dtype(spec), name="b_gate")  # [n_rows]
+        tensors["b_gate"] = b_gate
+    return gate, b_up, b_gate
+
+
+def _gated_h(spec: KernelSpec, g: tirx.PrimExpr, u: tirx.PrimExpr, b_gate: te.Tensor | None,
+             row: tirx.PrimExpr) -> tirx.PrimExpr:
+    """``act(g + b_gate[row]) * u`` (dReLU: ``* relu(u)``), g and u the row's gate and up values (u biased)."""
+    if b_gate is not None:
+        g = g + b_gate[row].astype("float32")
+    if spec.act == "drelu":
+        u = _activation("relu", u)
+    return _activation(spec.act, g) * u
 
 
 def describe(spec: KernelSpec, batched: bool = False) -> KernelDesc:
@@ -194,7 +209,7 @@ def describe(spec: KernelSpec, batched: bool = False) -> KernelDesc:
             )  # [t?, k]
 
         up = _dot(w_up, "up")
-        gate, b_up = _gate_and_bias(spec, tensors, _dot)
+        gate, b_up, b_gate = _gate_and_bias(spec, tensors, _dot)
 
         def _h(*ij: tirx.Var) -> tirx.PrimExpr:
             j = ij[-1]
@@ -202,7 +217,7 @@ def describe(spec: KernelSpec, batched: bool = False) -> KernelDesc:
             if b_up is not None:
                 u = u + b_up[idx[j]].astype(f32)
             if gate is not None:
-                return _activation(spec.act, gate[ij]) * u
+                return _gated_h(spec, gate[ij], u, b_gate, idx[j])
             return _activation(spec.act, u)
 
         h = te.compute((*tok, k), _h, name="h")  # [t?, k]
@@ -257,14 +272,15 @@ def describe_partitioned(spec: KernelSpec, partitions: int, batched: bool = Fals
         )  # [P, S, t?]
 
     up = _dot(w_up, "up")
-    gate, b_up = _gate_and_bias(spec, tensors, _dot)
+    gate, b_up, b_gate = _gate_and_bias(spec, tensors, _dot)
     zero = tirx.const(0.0, f32)
 
     def _h(p: tirx.Var, jj: tirx.Var, *tt: tirx.Var) -> tirx.PrimExpr:
         u = up[(p, jj, *tt)]
         if b_up is not None:
             u = u + b_up[row(p, jj)].astype(f32)
-        v = _activation(spec.act, gate[(p, jj, *tt)]) * u if gate is not None else _activation(spec.act, u)
+        v = (_gated_h(spec, gate[(p, jj, *tt)], u, b_gate, row(p, jj)) if gate is not None
+             else _activation(spec.act, u))
         return tirx.if_then_else(p * S + jj < k, v, zero)
 
     h = te.compute((P, S, *tok), _h, name="h")  # [P, S, t?]

@@ -246,7 +246,7 @@ def _schedule_down(sch: s_tir.Schedule, spec: KernelSpec, p: CpuScheduleParams, 
 def _skips_inactive(spec: KernelSpec, p: CpuScheduleParams, batched: bool) -> bool:
     """Whether the fused one-token kernel skips the rest of a row whose ReLU output is 0
     (see ``cpu_rewrite.guard_inactive_rows``)."""
-    return p.skip_inactive and not batched and skips_inactive(spec.kind, spec.act)
+    return p.skip_inactive and not batched and skips_inactive(spec.kind, spec.act, spec.gate_bias)
 
 
 def _rfactor_part_dots(sch: s_tir.Schedule, names: tuple[str, ...], lanes: int,

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 
 def _act(name: str, v: torch.Tensor) -> torch.Tensor:
-    if name == "relu":
+    if name in ("relu", "drelu"):  # dReLU: relu on the gate here, on the up branch in dense_ffn
         return torch.relu(v)
     if name == "silu":
         return F.silu(v)
@@ -30,6 +30,7 @@ def dense_ffn(
     idx: torch.Tensor | None,  # int [k] active rows, or None for all rows
     act: str,
     compute_dtype: torch.dtype = torch.float32,
+    b_gate: torch.Tensor | None = None,  # [n_rows] or None: the gate bias (gated FFN)
 ) -> torch.Tensor:  # [t, d_model] / [d_model] in compute_dtype, without b_down
     """``sum_j h[j] * w_down_t[idx[j]]`` with torch gather + matmuls (fp16 weights are upcast)."""
     if idx is not None:
@@ -38,10 +39,16 @@ def dense_ffn(
         w_down_t = w_down_t.index_select(0, rows)  # [k, d_model]
         w_gate = w_gate.index_select(0, rows) if w_gate is not None else None
         b_up = b_up.index_select(0, rows) if b_up is not None else None
+        b_gate = b_gate.index_select(0, rows) if b_gate is not None else None
     f = compute_dtype
     x = x.to(f)
     up = x @ w_up.to(f).t()  # [t, k]
     if b_up is not None:
         up = up + b_up.to(f)
-    h = _act(act, x @ w_gate.to(f).t()) * up if w_gate is not None else _act(act, up)  # [t, k]
+    if w_gate is None:
+        return _act(act, up) @ w_down_t.to(f)  # [t, d_model]
+    g = x @ w_gate.to(f).t()  # [t, k]
+    if b_gate is not None:
+        g = g + b_gate.to(f)
+    h = _act(act, g) * (torch.relu(up) if act == "drelu" else up)  # [t, k]
     return h @ w_down_t.to(f)  # [t, d_model]

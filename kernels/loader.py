@@ -275,6 +275,8 @@ def _signature(spec: KernelSpec, batched: bool) -> list[_Arg]:
             args += _weight_args(spec, "w_gate")
         if spec.has_bias:
             args.append(_Arg("b_up", torch.float32 if spec.quantized else w, (n,)))
+        if spec.gate_bias:
+            args.append(_Arg("b_gate", torch.float32 if spec.quantized else w, (n,)))
     else:
         args.append(_Arg("h", torch.float32, (*tok, "k")))
     if spec.has_down:
@@ -303,7 +305,7 @@ def _weight_args(spec: KernelSpec, name: str) -> list[_Arg]:
 def call_args(spec: KernelSpec) -> tuple[str, ...]:
     """``SparseKernel.__call__``'s argument order for ``spec``: ``CALL_ARGS[kind]``, each quantized weight
     followed by its scales (``ffn_*``: ``x, w_up, s_up, w_gate, s_gate, b_up, w_down_t, s_down, idx, y``)."""
-    names = CALL_ARGS[spec.kind]
+    names = CALL_ARGS[spec.kind] + (("b_gate",) if spec.gate_bias else ())  # a gate bias: the last argument
     if not spec.quantized:
         return names
     return tuple(a for nm in names for a in ((nm, _SCALES[nm]) if nm in _SCALES else (nm,)))

@@ -10,8 +10,12 @@ Operator contract (PowerInfer's, decode = one token), weights neuron-major:
 * ``idx``      int32 ``[k]``          the active neuron list, any k >= 0 (k is symbolic in the kernel)
 
 ``h[j] = act(w_up[idx[j]] . x + b_up[idx[j]])``                      (kind ``ffn_relu`` / ``up``)
-``h[j] = act(w_gate[idx[j]] . x) * (w_up[idx[j]] . x + b_up[idx[j]])`` (kind ``ffn_gated`` / ``up_gated``)
+``h[j] = act(w_gate[idx[j]] . x + b_gate[idx[j]]) * (w_up[idx[j]] . x + b_up[idx[j]])`` (kind ``ffn_gated`` / ``up_gated``)
+``h[j] = relu(w_gate[idx[j]] . x + b_gate[idx[j]]) * relu(w_up[idx[j]] . x + b_up[idx[j]])`` (gated, act ``drelu``)
 ``y    = sum_j h[j] * w_down_t[idx[j]]``                               (kind ``ffn_*`` / ``down``)
+
+``b_gate`` ``[n_rows]`` (gated kinds, ``gate_bias=True``) is stored as ``b_up`` is; the kernel takes it after
+``b_up`` and it is the last argument of a call (``loader.call_args``).
 
 Weights (``b_up`` included) are stored in ``weight_dtype``; ``x``, ``h`` and ``y`` are always float32
 and all accumulation is in float32. ``b_down`` is added by the caller, never by the kernel.
@@ -33,23 +37,26 @@ from dataclasses import asdict, dataclass
 from typing import Literal
 
 KernelKind = Literal["ffn_relu", "ffn_gated", "up", "up_gated", "down", "predict"]
-Activation = Literal["relu", "silu", "none"]
+Activation = Literal["relu", "silu", "drelu", "none"]
 WeightDType = Literal["float32", "float16", "int8", "int4"]
 
 KINDS: tuple[str, ...] = ("ffn_relu", "ffn_gated", "up", "up_gated", "down", "predict")
-ACTS: tuple[str, ...] = ("relu", "silu", "none")
+ACTS: tuple[str, ...] = ("relu", "silu", "drelu", "none")
 WEIGHT_DTYPES: tuple[str, ...] = ("float32", "float16")  # float weights (every kind, CPU and CUDA)
 QUANT_DTYPES: tuple[str, ...] = ("int8", "int4")  # quantized weights, layout: kernels/qformat.py
 QUANT_BLOCKS: tuple[int, ...] = (32, 64, 128, 256)  # = qformat.BLOCKS (spec stays torch-free)
 CUDA_ARCHS: tuple[str, ...] = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90")
 
 
-def skips_inactive(kind: str, act: str) -> bool:
+def skips_inactive(kind: str, act: str, gate_bias: bool = False) -> bool:
     """Whether the one-token CPU kernel of ``kind`` reads only the deciding row (gate; ``ffn_relu``: up and
     b_up) of a selected neuron whose ReLU output is 0 (``cpu.py``, schedule parameter ``skip_inactive``, on by
     default): such a neuron then costs one row instead of two or three. The bench's byte count and the
-    predictors' rank choice read it here."""
-    return act == "relu" and kind in ("ffn_relu", "ffn_gated")
+    predictors' rank choice read it here. dReLU skips on its gate too; a gate with a bias does not skip (the
+    skip tests the gate's bare dot product)."""
+    if kind == "ffn_gated":
+        return act in ("relu", "drelu") and not gate_bias
+    return act == "relu" and kind == "ffn_relu"
 
 # Bump whenever the generated code changes (compute description, schedule, argument order):
 # it is part of every key, so stale cached libraries are never reused.
@@ -82,6 +89,7 @@ class KernelSpec:
     target: str
     rank: int = 0  # kind "predict" only: the predictor's hidden width
     block: int = 32  # quantized weight_dtype only: elements per float16 scale, along d_model (qformat.py)
+    gate_bias: bool = False  # gated kinds: a b_gate [n_rows] argument (Llama mlp_bias)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -102,6 +110,12 @@ class KernelSpec:
             raise KernelSpecError("n_rows * d_model must stay below 2**31 (int32 indexing)")
         if not isinstance(self.has_bias, bool):
             raise KernelSpecError(f"has_bias must be a bool, got {self.has_bias!r}")
+        if not isinstance(self.gate_bias, bool):
+            raise KernelSpecError(f"gate_bias must be a bool, got {self.gate_bias!r}")
+        if self.gate_bias and not self.gated:
+            raise KernelSpecError(f"gate_bias is for gated kinds only, not {self.kind!r}")
+        if self.act == "drelu" and self.kind not in ("ffn_gated", "up_gated"):
+            raise KernelSpecError(f"act 'drelu' (relu on gate and up) is for gated kinds only, not {self.kind!r}")
         if not isinstance(self.target, str) or not _TARGET_RE.match(self.target):
             raise KernelSpecError(f"target must be 'llvm' or 'cuda:sm_XX', got {self.target!r}")
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 0:
@@ -162,11 +176,13 @@ class KernelSpec:
         return f"pi_{self.kind}_{digest}"
 
     def to_json(self) -> dict[str, object]:
-        """The fields; ``rank`` only where it is set and ``block`` only for quantized weights, so specs written
-        before they existed keep their keys."""
+        """The fields; ``rank`` and ``gate_bias`` only where they are set and ``block`` only for quantized weights,
+        so specs written before they existed keep their keys."""
         data = asdict(self)
         if not self.rank:
             del data["rank"]
+        if not self.gate_bias:
+            del data["gate_bias"]
         if not self.quantized:
             del data["block"]
         return data

@@ -14,7 +14,7 @@ from torch import fx
 from picompile.context import BuildContext, FFNLayer
 from picompile.errors import PassError
 from picompile.formats.profile import PROFILE_FILE, update_counts
-from picompile.ir.ops import is_picompile_op
+from picompile.ir.ops import RELU_FAMILY, is_picompile_op
 from picompile.ir.patterns import Decider, ffn_nodes
 from picompile.ir.schema import bind, call_args
 from picompile.passes.registry import register_pass
@@ -135,7 +135,7 @@ def allocate_sparsity(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
     if not ctx.calibration:
         raise PassError("allocate-sparsity needs profile-activations to run first")
     target = cfg.act_sparsity
-    layers = [layer for layer in ctx.ffn_layers if layer.act != "relu"]
+    layers = [layer for layer in ctx.ffn_layers if layer.act not in RELU_FAMILY]
     if cfg.sparsity_allocation == "uniform" or not layers or target <= 0.0:
         for layer in layers:
             layer.stats["act_sparsity"] = target

@@ -1,5 +1,9 @@
 """canonicalize-ffn: linear → act → linear  |  act(linear_g(x)) * linear_u(x) → linear
-→ one ``picompile.ffn(x, w_up, b_up, w_gate, w_down, b_down, act, layer)`` node per decoder layer.
+                  |  relu(linear_g(x)) * relu(linear_u(x)) → linear (dReLU)
+→ one ``picompile.ffn(x, w_up, b_up, w_gate, w_down, b_down, act, layer, b_gate=…)`` node per decoder layer.
+
+Every linear may carry a bias (Llama ``mlp_bias``: gate, up and down); dReLU (TurboSparse's FFN, ReLU on both
+branches) becomes act ``drelu``.
 
 "linear" is any linear-like form a frontend leaves in the graph (:func:`match_linear`):
 ``aten.linear(x, W, b)``; ``x @ Wᵀ`` written ``aten.matmul`` / ``aten.mm`` of ``aten.t`` /
@@ -69,6 +73,7 @@ class FFNMatch:
     mul: Optional[fx.Node]
     act_match: ActMatch
     down: LinearMatch
+    up_act: Optional[fx.Node] = None  # dReLU: the relu on the up branch
 
     @property
     def act_node(self) -> fx.Node:
@@ -269,9 +274,16 @@ def match_ffn(act_node: fx.Node, gm: fx.GraphModule | None = None) -> FFNMatch |
     gate: Optional[LinearMatch] = None
     mul: Optional[fx.Node] = None
     up: LinearMatch = first
+    up_relu: Optional[fx.Node] = None
     if _call(user, _MULS):
         other = _other(user, out)
         other_lin = match_linear(other, gm)
+        if other_lin is None and act == "relu" and _call(other, (aten.relu.default,)) and len(other.users) == 1:  # type: ignore[union-attr]
+            if user.args[0] is not out:
+                return None  # the up branch's relu of a dReLU FFN: matched from its gate's relu (args[0])
+            other_lin = match_linear(other.args[0], gm)  # type: ignore[union-attr]
+            if other_lin is not None:
+                up_relu, act = other, "drelu"  # type: ignore[assignment]
         if other_lin is None:
             return f"{user.name} multiplies {out.name} by {_desc(other)}, not a linear (gated FFN expected)"
         if other_lin.x is not x:
@@ -286,8 +298,6 @@ def match_ffn(act_node: fx.Node, gm: fx.GraphModule | None = None) -> FFNMatch |
     linears = [lin for lin in (up, gate, down) if lin is not None]
     if not _weights_are_attrs(*linears):
         return f"the FFN weights around {out.name} are not module parameters"
-    if gate is not None and gate.b is not None:
-        return f"gate projection {gate.out.name} has a bias, which picompile.ffn does not take"
     layer = _layer_of(out)
     if layer is None:
         layer = _layer_of(down.out)
@@ -298,7 +308,7 @@ def match_ffn(act_node: fx.Node, gm: fx.GraphModule | None = None) -> FFNMatch |
     module = _module_path(down.out).rsplit(".", 1)[0]
     if not module and _is_attr(down.w):
         module = str(down.w.target).rsplit(".", 2)[0]
-    return FFNMatch(layer, module, act, x, up, gate, mul, am, down)
+    return FFNMatch(layer, module, act, x, up, gate, mul, am, down, up_relu)
 
 
 def _down_of(user: fx.Node, inp: fx.Node, gm: fx.GraphModule | None) -> Optional[LinearMatch]:
@@ -330,6 +340,17 @@ def _weight_node(gm: fx.GraphModule, lin: LinearMatch, before: fx.Node) -> fx.No
     return node
 
 
+def _check_bias(gm: fx.GraphModule, m: FFNMatch, role: str, lin: Optional[LinearMatch], b: Optional[fx.Node]) -> None:
+    """A bias must be one float per output row of its linear (a [d_out] vector): else a one-line PatternError."""
+    if lin is None or b is None:
+        return
+    w, bias = get_tensor(gm, lin.w), get_tensor(gm, b)
+    rows = int(w.shape[1] if lin.transpose_w else w.shape[0])
+    if tuple(bias.shape) != (rows,):
+        raise PatternError(f"layer {m.layer}: the {role} projection's bias {b.target} has shape {tuple(bias.shape)}, "
+                           f"expected ({rows},) (one per output row of its weight)")
+
+
 def _rewrite(gm: fx.GraphModule, m: FFNMatch) -> dict[str, str]:
     """Replace the matched FFN with picompile.ffn; return {role: graph attribute} of its weights."""
     g = gm.graph
@@ -338,17 +359,22 @@ def _rewrite(gm: fx.GraphModule, m: FFNMatch) -> dict[str, str]:
     w_gate = _weight_node(gm, m.gate, anchor) if m.gate is not None else None
     w_down = _weight_node(gm, m.down, anchor)
     b_up, b_down = m.up.b, m.down.b
+    b_gate = m.gate.b if m.gate is not None else None
+    for role, lin, b in (("up", m.up, b_up), ("gate", m.gate, b_gate), ("down", m.down, b_down)):
+        _check_bias(gm, m, role, lin, b)
     with g.inserting_before(anchor):
         new = g.call_function(torch.ops.picompile.ffn.default, call_args("ffn", dict(
-            x=m.x, w_up=w_up, b_up=b_up, w_gate=w_gate, w_down=w_down, b_down=b_down, act=m.act, layer=m.layer)))
+            x=m.x, w_up=w_up, b_up=b_up, w_gate=w_gate, w_down=w_down, b_down=b_down, act=m.act, layer=m.layer,
+            b_gate=b_gate)))
     new.meta.update({k: v for k, v in anchor.meta.items() if k in ("val", "tensor_meta", "nn_module_stack", "stack_trace")})
     anchor.replace_all_uses_with(new)
     chain = [*m.down.nodes, *([m.mul] if m.mul is not None else []), *m.act_match.nodes,
+             *([m.up_act] if m.up_act is not None else []),
              *(m.gate.nodes if m.gate is not None else []), *m.up.nodes]
     for n in chain:  # outputs before inputs, so each is unused by the time it is reached
         if not n.users and n.graph is g:
             g.erase_node(n)
-    roles = {"up": w_up, "up_bias": b_up, "gate": w_gate, "down": w_down, "down_bias": b_down}
+    roles = {"up": w_up, "up_bias": b_up, "gate": w_gate, "gate_bias": b_gate, "down": w_down, "down_bias": b_down}
     return {role: str(n.target) for role, n in roles.items() if n is not None}
 
 

@@ -25,11 +25,11 @@ from picompile.passes.registry import register_pass
 
 aten = torch.ops.aten
 # picompile op -> the weight tensors it reads in the artifact's weight dtype, by argument name
-# (b_up goes with its rows in float16: the float kernels take it in the weight dtype; quantized ones in float32)
+# (b_up and b_gate go with their rows in float16: the float kernels take it in the weight dtype; quantized ones in float32)
 WEIGHT_ARGS: dict[str, tuple[str, ...]] = {
-    "ffn": ("w_up", "b_up", "w_gate", "w_down"),
-    "sparse_ffn": ("w_up", "b_up", "w_gate", "w_down_t"),
-    "oracle_mask": ("w", "b", "w_mul"),
+    "ffn": ("w_up", "b_up", "w_gate", "w_down", "b_gate"),
+    "sparse_ffn": ("w_up", "b_up", "w_gate", "w_down_t", "b_gate"),
+    "oracle_mask": ("w", "b", "w_mul", "b_mul"),
 }
 PREDICTOR_ARGS: tuple[str, ...] = ("fc1", "fc2")  # predict's: in the predictor dtype
 # quantized builds: the oracle's deciding rows (a full copy of gate / up, read only by --predictor oracle) in float16

@@ -1,7 +1,9 @@
 """fuse-projections: linear(x, Wq), linear(x, Wk), linear(x, Wv) → slices of linear(x, [Wq; Wk; Wv]):
 linear layers reading the same input (q/k/v) become one GEMV over the stacked rows (one kernel call, one
 stream, instead of three; small k/v projections pay a call's fixed cost for 1 MB of weights). Quantized
-linears (int8 / int4 blocks along each row) stack their quants and their scales alike.
+linears (int8 / int4 blocks along each row) stack their quants and their scales alike. Biases (Llama
+``attention_bias``, Qwen2's q/k/v) stack with their rows; in a group where only some linears have one, the others
+get zeros (the stacked linear adds exactly what each did).
 """
 from __future__ import annotations
 
@@ -36,17 +38,19 @@ def fuse_projections(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
         t = get_tensor(gm, w)  # [d_out, d_in] (int4: [d_out, d_in / 2])
         s = scale_of(node, "w")
         blocks = None if s is None else get_tensor(gm, s).shape[1]  # quantized: the same blocks per row
-        groups.setdefault((node.target, x, t.dtype, t.shape[1], b is None, blocks), []).append(node)
+        groups.setdefault((node.target, x, t.dtype, t.shape[1], blocks), []).append(node)
     fused: list[dict[str, object]] = []
-    for (target, x, _, _, no_bias, blocks), nodes in groups.items():
+    for (target, x, _, _, blocks), nodes in groups.items():
         if len(nodes) < 2:
             continue
         parts = [linear_parts(n) for n in nodes]
         ws = [get_tensor(gm, w) for _, w, _ in parts]  # type: ignore[misc]  # each [d_out_i, d_in]
         first = nodes[0]
         w_node = add_buffer(gm, f"fused_{first.name}_w", torch.cat(ws), first)  # [sum d_out_i, d_in]
-        b_node = None if no_bias else add_buffer(
-            gm, f"fused_{first.name}_b", torch.cat([get_tensor(gm, b) for _, _, b in parts]), first)  # type: ignore[misc, arg-type]
+        biases = [None if b is None else get_tensor(gm, b) for _, _, b in parts]  # type: ignore[misc]  # each [d_out_i]
+        have = [bt for bt in biases if bt is not None]
+        b_node = None if not have else add_buffer(gm, f"fused_{first.name}_b", torch.cat([
+            bt if bt is not None else have[0].new_zeros(w.shape[0]) for bt, w in zip(biases, ws)]), first)  # [sum d_out_i]
         s_node = None if blocks is None else add_buffer(
             gm, f"fused_{first.name}_s", torch.cat([get_tensor(gm, scale_of(n, "w")) for n in nodes]), first)  # type: ignore[arg-type]
         with gm.graph.inserting_before(first):

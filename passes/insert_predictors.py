@@ -38,10 +38,11 @@ def insert_predictors(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
         else:
             cal = ctx.calibration.get(layer.index)
             threshold = 0.0 if cal is None else float(cal.threshold)
-            w, b, w_mul = decider_nodes(node, ctx.config.act_criterion)
+            w, b, w_mul, b_mul = decider_nodes(node, ctx.config.act_criterion)
             with gm.graph.inserting_before(node):
                 mask = gm.graph.call_function(torch.ops.picompile.oracle_mask.default, call_args("oracle_mask", dict(
-                    x=x, w=w, b=b, act=layer.act, threshold=threshold, layer=layer.index, w_mul=w_mul)))
+                    x=x, w=w, b=b, act=layer.act, threshold=threshold, layer=layer.index, w_mul=w_mul,
+                    b_mul=b_mul)))
         set_args(node, mask=mask)
     gm.recompile()
     return gm

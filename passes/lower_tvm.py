@@ -27,7 +27,7 @@ from picompile.passes.registry import register_pass
 
 aten = torch.ops.aten
 KERNEL_DIR = "kernels"
-KERNEL_ACTS: tuple[str, ...] = ("relu", "silu")
+KERNEL_ACTS: tuple[str, ...] = ("relu", "silu", "drelu")
 
 
 def _build(ctx: BuildContext, spec: Any, entries: dict[str, dict[str, Any]], use: str) -> str:
@@ -170,10 +170,12 @@ def _ffn_kernels(gm: fx.GraphModule, ctx: BuildContext, a: Mapping[str, Any],
         return "", ""
     use = f"layer{a['layer']}.{a['part']}"
     common = dict(kind="ffn_gated" if a["w_gate"] is not None else "ffn_relu", act=a["act"], d_model=d_model,
-                  n_rows=n_rows, has_bias=a["b_up"] is not None, **fmt)
+                  n_rows=n_rows, has_bias=a["b_up"] is not None, gate_bias=a["b_gate"] is not None, **fmt)
     cpu_key = _build(ctx, KernelSpec(**common, target="llvm"), entries, use)
     gpu_key = ""
-    if a["device"] == "gpu" and ctx.target.has_gpu and quant_kernels(fmt, cuda=True) is None:  # CUDA: float weights
+    # CUDA: float weights; a part with a gate bias runs inline on the CPU (the hybrid scheduler passes no b_gate)
+    if (a["device"] == "gpu" and ctx.target.has_gpu and quant_kernels(fmt, cuda=True) is None
+            and a["b_gate"] is None):
         gpu_key = _build(ctx, KernelSpec(**common, target=f"cuda:{ctx.target.cuda_arch}"), entries, use)
     return cpu_key, gpu_key
 

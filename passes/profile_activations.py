@@ -14,7 +14,7 @@ from torch import fx
 from picompile.sparsity.calibration import load_calibration
 from picompile.context import BuildContext
 from picompile.formats.profile import PROFILE_FILE, write_profile
-from picompile.ir.ops import is_picompile_op
+from picompile.ir.ops import RELU_FAMILY, is_picompile_op
 from picompile.ir.patterns import ffn_nodes
 from picompile.ir.schema import bind
 from picompile.passes.registry import register_pass
@@ -64,7 +64,7 @@ def profile_activations(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule
         x = torch.cat(recorder.inputs[layer.index])  # [N, d_model]
         with torch.no_grad():
             a = float32_decider(gm, node, cfg.act_criterion).score(x)  # [N, n_neurons]
-        threshold = 0.0 if layer.act == "relu" else float(torch.quantile(a.flatten()[: 1 << 24].float(), cfg.act_sparsity))
+        threshold = 0.0 if layer.act in RELU_FAMILY else float(torch.quantile(a.flatten()[: 1 << 24].float(), cfg.act_sparsity))
         mask = a > threshold
         prof = LayerProfile.from_mask(mask.numpy(), name=layer.module)
         ctx.calibration[layer.index] = LayerCalibration(x=x, mask=mask, threshold=threshold, profile=prof)
@@ -73,6 +73,7 @@ def profile_activations(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule
     write_profile(ctx.staging_dir / PROFILE_FILE, {i: cal.profile for i, cal in ctx.calibration.items()}, int(ids.numel()))
     ctx.calibration_ids = ids
     ctx.manifest_extra["profile"] = {"file": PROFILE_FILE, "corpus": corpus, "n_tokens": int(ids.numel()),
-                                     "window": window, "active": "relu > 0" if all(
-                                         layer.act == "relu" for layer in ctx.ffn_layers) else f"{cfg.act_criterion} score > per-layer threshold ({cfg.act_sparsity:.0%} target sparsity for non-ReLU)"}
+                                     "window": window, "active": ("relu(gate) > 0 and relu(up) > 0" if any(layer.act == "drelu" for layer in ctx.ffn_layers)
+                                                else "relu > 0") if all(
+                                         layer.act in RELU_FAMILY for layer in ctx.ffn_layers) else f"{cfg.act_criterion} score > per-layer threshold ({cfg.act_sparsity:.0%} target sparsity for non-ReLU)"}
     return gm

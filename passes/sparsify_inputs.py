@@ -104,7 +104,8 @@ class _Rewriter:
         m = args_of(merge)
         parts = [args_of(m["hot"]), args_of(m["cold"])]
         act = str(parts[0]["act"])
-        if act not in _ACTS or any(p["b_up"] is not None and p["w_gate"] is not None for p in parts):
+        if act not in _ACTS or any((p["b_up"] is not None and p["w_gate"] is not None) or p.get("b_gate") is not None
+                                   for p in parts):  # gated FFNs with biases keep their neuron form
             return False
         self.lowered |= node_op(m["hot"]) == "tvm_sparse_ffn"
         t = lambda name: torch.cat([get_tensor(self.gm, p[name]) for p in parts])  # noqa: E731  [n, d] hot then cold

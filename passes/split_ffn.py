@@ -1,5 +1,7 @@
 """split-ffn: ffn(x, …, mask) → merge(sparse_ffn(x, hot rows, mask[:n_hot], device=gpu),
                                       sparse_ffn(x, cold rows, mask[n_hot:], device=cpu), b_down).
+A neuron's rows go with it: up, gate and down_t rows and its up and gate biases (``b_up``, ``b_gate``); the
+down bias is added once, by the merge.
 Each part's rows are contiguous and neuron-major (down projection transposed); the mask producer's
 rows are permuted into the same hot-then-cold order so the mask is split by slicing.
 
@@ -25,7 +27,7 @@ from picompile.passes.registry import register_pass
 
 aten = torch.ops.aten
 # mask-producing op -> its per-neuron row tensors (permuted with the neurons)
-MASK_ROWS: dict[str, tuple[str, ...]] = {"predict": ("fc2", "offset"), "oracle_mask": ("w", "b", "w_mul")}
+MASK_ROWS: dict[str, tuple[str, ...]] = {"predict": ("fc2", "offset"), "oracle_mask": ("w", "b", "w_mul", "b_mul")}
 NARROWED: dict[str, torch.dtype] = {"float16": torch.float16}  # --weight-dtype -> the dtype rows are made in
 
 
@@ -59,14 +61,14 @@ def split_ffn(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
     for layer, hot, cold in zip(ctx.ffn_layers, ctx.placement.hot, ctx.placement.cold):
         node = nodes[layer.index]
         a = args_of(node)
-        x, w_up, b_up, w_gate, w_down, b_down, act, index, mask = (a[k] for k in (
-            "x", "w_up", "b_up", "w_gate", "w_down", "b_down", "act", "layer", "mask"))
+        x, w_up, b_up, w_gate, w_down, b_down, act, index, mask, b_gate = (a[k] for k in (
+            "x", "w_up", "b_up", "w_gate", "w_down", "b_down", "act", "layer", "mask", "b_gate"))
         hot_t, cold_t = torch.as_tensor(hot, dtype=torch.long), torch.as_tensor(cold, dtype=torch.long)
         n_hot = int(hot_t.numel())
         if mask is not None:
             _permute_mask_producer(gm, mask, torch.cat([hot_t, cold_t]), layer.index)
         up, down_t = get_tensor(gm, w_up), get_tensor(gm, w_down).t()  # [n, d], [n, d]
-        originals = [t for t in (up, down_t, *(get_tensor(gm, n) for n in (b_up, w_gate) if n is not None))]
+        originals = [t for t in (up, down_t, *(get_tensor(gm, n) for n in (b_up, w_gate, b_gate) if n is not None))]
         parts: list[fx.Node] = []
         for part, idx, device, lo, hi in (("hot", hot_t, "gpu", 0, n_hot), ("cold", cold_t, "cpu", n_hot, None)):
             def rows(t: torch.Tensor | None, role: str) -> fx.Node | None:
@@ -83,6 +85,8 @@ def split_ffn(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
                 w_gate=rows(None if w_gate is None else get_tensor(gm, w_gate), "gate"),
                 w_down_t=rows(down_t, "down_t"),
             )
+            if b_gate is not None:  # a trailing argument: graphs without it keep their calls
+                weights["b_gate"] = rows(get_tensor(gm, b_gate), "gate_bias")
             with g.inserting_before(node):
                 part_mask = None if mask is None else g.call_function(aten.slice.Tensor, (mask, -1, lo, hi))
                 parts.append(g.call_function(torch.ops.picompile.sparse_ffn.default, call_args("sparse_ffn", dict(

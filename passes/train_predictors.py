@@ -9,6 +9,7 @@ from picompile.context import BuildContext
 from picompile.errors import PassError
 from picompile.kernels import skips_inactive
 from picompile.sparsity.linear_predictor import candidate_ranks, fit_linear_predictor
+from picompile.ir.ops import RELU_FAMILY
 from picompile.ir.patterns import WEIGHT_DTYPES, ffn_nodes, weight_itemsize
 from picompile.passes.registry import register_pass
 from picompile.sparsity.predictor import choose_ranks, rank_granularity, train_predictor
@@ -33,7 +34,7 @@ def train_predictors(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
                          budget_fraction=cfg.predictor_budget)
     max_rank = max(1, min(d, n, int(cfg.predictor_budget * matrices * d * n) // (d + n)))
     granularity = rank_granularity(d, n)
-    recall_target = cfg.recall_for(all(layer.act == "relu" for layer in layers))
+    recall_target = cfg.recall_for(all(layer.act in RELU_FAMILY for layer in layers))
     pred_dtype = WEIGHT_DTYPES[cfg.predictor_dtype]
     row_itemsize = weight_itemsize(cfg.weight_dtype, cfg.quant_block)  # as convert-weights stores them (scales too)
     nodes = ffn_nodes(gm)
@@ -45,7 +46,7 @@ def train_predictors(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
             # bytes a decode step reads per selected neuron beyond those of the firing ones (read at any rank):
             # one row where the kernel skips the rest of a neuron that does not fire, else all its rows
             kind = "ffn_gated" if layer.kind == "gated" else "ffn_relu"
-            rows = 1 if skips_inactive(kind, layer.act) else matrices
+            rows = 1 if skips_inactive(kind, layer.act, "gate_bias" in layer.weights) else matrices
             predictor, report = fit_linear_predictor(
                 cal.x, margin, cal.mask, candidate_ranks(max_rank, granularity),
                 row_cost=rows * layer.d_model * row_itemsize, param_cost=pred_dtype.itemsize,

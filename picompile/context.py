@@ -18,7 +18,7 @@ class FFNLayer:
 
     index: int  # 0-based decoder layer
     kind: str  # "mlp" (up → act → down) or "gated" (act(gate) * up → down)
-    act: str  # "relu" | "silu" | "gelu"
+    act: str  # "relu" | "silu" | "gelu" | "gelu_tanh" | "drelu"
     d_model: int
     n_neurons: int
     module: str  # qualified module name in the source model, e.g. "model.layers.0.mlp"

@@ -181,6 +181,8 @@ def _part_problem(node: Any, merge: fx.Node, name: str) -> str | None:
         return f"its {name} part {node.name} is also used by {', '.join(u.name for u in node.users if u is not merge)}"
     if any(args_of(node).get(s) is not None for s in ("s_up", "s_gate", "s_down")):
         return f"its {name} part {node.name} has quantized weights (int8 / int4), which run unscheduled (inline)"
+    if args_of(node).get("b_gate") is not None:
+        return f"its {name} part {node.name} has a gate bias (b_gate), which runs unscheduled (inline)"
     weights = part_weights(node)  # w_up, w_down_t required; b_up, w_gate optional
     if weights[0] is None or any(w is not None and not (isinstance(w, fx.Node) and w.op == "get_attr") for w in weights):
         return f"the weights of its {name} part {node.name} are not graph attributes"

@@ -105,6 +105,8 @@ def _native_call(gm: fx.GraphModule, node: fx.Node, thresholds: _Thresholds) -> 
         fn = _handle(str(a["kernel"]))
         if fn is None or get_tensor(gm, a["w_up"]).shape[0] == 0:  # an empty part stays (zeros, no launch)
             return None
+        if a.get("b_gate") is not None:  # a gate bias: the Python op passes it (the C++ op has no slot for it)
+            return None
         return native.sparse_ffn.default, (a["x"], a["w_up"], a["b_up"], a["w_gate"], a["w_down_t"], a["mask"], fn)
     fn = _handle(str(a["kernel1"]))
     if fn is None or a["kernel2"]:  # two GEMVs (older artifacts): the Python op

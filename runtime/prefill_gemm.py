@@ -78,7 +78,7 @@ def _node_parts(node: fx.Node) -> Optional[tuple[list[dict[str, Any]], Any, Opti
         if not live or not all(isinstance(p, (InlinePartition, ThreadPartition)) for p, _ in live):
             return None  # a part on the GPU (CudaPartition) keeps its scheduler: its weights live there
         acts = {str(p.part.consts["act"]) for p, _ in live}  # type: ignore[attr-defined]
-        if len(acts) != 1:
+        if len(acts) != 1 or "drelu" in acts:  # dReLU: PrefillFFN has no relu on the up branch
             return None
         parts = [{k: a[f"{k}{s}"] for k in ("w_up", "b_up", "w_gate", "w_down_t")} for _, s in live]
         return parts, a["x"], a["bias"], acts.pop(), target.layer
@@ -86,7 +86,7 @@ def _node_parts(node: fx.Node) -> Optional[tuple[list[dict[str, Any]], Any, Opti
     if op not in ("ffn", "sparse_ffn", "tvm_sparse_ffn"):
         return None
     a = args_of(node)
-    if a["mask"] is not None:
+    if a["mask"] is not None or a.get("b_gate") is not None or a["act"] == "drelu":  # PrefillFFN: no gate bias, no dReLU
         return None
     scales = {k: a.get(k) for k in ("s_up", "s_gate", "s_down")}  # int8 / int4 weights: their float16 scales
     if op == "ffn":

@@ -32,7 +32,12 @@ there is no GGUF key for ReLU. A ReLU checkpoint (ReLU-LLaMA, ProSparse, picompi
 ``*-relu`` checkpoints) therefore runs in llama.cpp with SiLU on the same weights: the same bytes and
 FLOPs per token, so a fair *dense speed* baseline, but not the same outputs. Its logits match
 Hugging Face's only for the same weights with ``hidden_act = "silu"``. The file's
-``general.description`` says which activation the checkpoint had.
+``general.description`` says which activation the checkpoint had (``relu+drelu`` for a dReLU checkpoint,
+config ``ffn_act: "drelu"``: llama.cpp's graph has no relu on the up branch either).
+
+**Biases.** ``mlp_bias`` / ``attention_bias`` checkpoints (and any bias a Llama linear has) are written as
+``blk.N.ffn_{gate,up,down}.bias`` and ``blk.N.attn_{q,k,v,output}.bias`` (q/k permuted as their weights),
+which llama.cpp's ``llama`` graph loads as optional tensors and adds: the same model in llama.cpp.
 """
 from __future__ import annotations
 
@@ -138,7 +143,7 @@ def read_hparams(checkpoint_dir: Path) -> LlamaHParams:
         eos_id=_first_id(config.get("eos_token_id")),
         pad_id=_first_id(config.get("pad_token_id")),
         tied=bool(config.get("tie_word_embeddings", False)),
-        hidden_act=str(config.get("hidden_act", "silu")),
+        hidden_act=str(config.get("hidden_act", "silu")) + ("+drelu" if config.get("ffn_act") == "drelu" else ""),
     )
 
 

@@ -7,11 +7,11 @@ node in the custom domain ``picompile`` (version 1), its arguments as attributes
 =================  ==============  =============================================================
 picompile op       ONNX op type    inputs (``""`` = absent optional) / attributes
 =================  ==============  =============================================================
-ffn                FFN             x, w_up, b_up, w_gate, w_down, b_down, mask /
+ffn                FFN             x, w_up, b_up, w_gate, w_down, b_down, mask[, s_*][, b_gate] /
                                    act, layer, n_rows, d_model, gated
 predict            Predict         x, fc1, fc2[, offset] → bool mask / threshold, layer, act, n_rows, rank, d_model
-oracle_mask        OracleMask      x, w, b[, w_mul] → bool mask / act, threshold, layer, n_rows, d_model
-sparse_ffn         SparseFFN       x, w_up, b_up, w_gate, w_down_t, mask /
+oracle_mask        OracleMask      x, w, b[, w_mul, b_mul] → bool mask / act, threshold, layer, n_rows, d_model
+sparse_ffn         SparseFFN       x, w_up, b_up, w_gate, w_down_t, mask[, s_*][, b_gate] /
                                    act, layer, part, device, n_rows, d_model, gated
 tvm_sparse_ffn     TvmSparseFFN    as SparseFFN, plus kernel, gpu_kernel (kernel keys)
 merge              Merge           hot, cold, bias / layer, d_model
@@ -21,7 +21,8 @@ tvm_predict        TvmPredict      as Predict, plus kernel1, kernel2
 =================  ==============  =============================================================
 
 Quantized weights (int8 / int4 artifacts) are their quants (int8 / uint8 initializers) with their float16
-scales as trailing inputs: ``s_up, s_gate, s_down`` of the FFN ops, ``s`` of Linear / TvmLinear.
+scales as trailing inputs: ``s_up, s_gate, s_down`` of the FFN ops, ``s`` of Linear / TvmLinear. A gate bias
+(Llama ``mlp_bias``) is the FFN ops' last input ``b_gate``, after the scales (``""`` for a float node's).
 ``n_rows`` is the neuron count the node covers (the part's rows for SparseFFN, all neurons for
 Predict / OracleMask / FFN). The model is for inspection, not for running: onnxruntime has no
 kernels for the ``picompile`` domain. Inputs and outputs are those of the artifact's graph, with
@@ -133,11 +134,19 @@ def _scales(*scales: Optional[Any]) -> list[Optional[Any]]:
     return list(scales) if any(s is not None for s in scales) else []
 
 
+def _ffn_tail(s_up: Optional[Any], s_gate: Optional[Any], s_down: Optional[Any], b_gate: Optional[Any]) -> list[Optional[Any]]:
+    """An FFN node's trailing inputs: its scales (quantized), then its gate bias where it has one (the scales
+    absent, "" in their places)."""
+    if b_gate is None:
+        return _scales(s_up, s_gate, s_down)
+    return [s_up, s_gate, s_down, b_gate]
+
+
 # The translation functions: called by torch.onnx with the fx node's arguments, in the torch op's order.
 def _t_ffn(x: Any, w_up: Any, b_up: Optional[Any], w_gate: Optional[Any], w_down: Any, b_down: Optional[Any],
            act: str, layer: int, mask: Optional[Any] = None, s_up: Optional[Any] = None, s_gate: Optional[Any] = None,
-           s_down: Optional[Any] = None) -> Any:
-    return _emit("ffn", [x, w_up, b_up, w_gate, w_down, b_down, mask, *_scales(s_up, s_gate, s_down)],
+           s_down: Optional[Any] = None, b_gate: Optional[Any] = None) -> Any:
+    return _emit("ffn", [x, w_up, b_up, w_gate, w_down, b_down, mask, *_ffn_tail(s_up, s_gate, s_down, b_gate)],
                  dict(act=act, layer=layer, n_rows=_rows(w_up), d_model=_d_model(x), gated=int(w_gate is not None)))
 
 
@@ -163,15 +172,15 @@ def _t_tvm_linear(x: Any, w: Any, b: Optional[Any], kernel: str, s: Optional[Any
 
 
 def _t_oracle_mask(x: Any, w: Any, b: Optional[Any], act: str, threshold: float, layer: int,
-                   w_mul: Optional[Any] = None) -> Any:
-    return _emit("oracle_mask", [x, w, b, w_mul], dict(act=act, threshold=float(threshold), layer=layer, n_rows=_rows(w),
+                   w_mul: Optional[Any] = None, b_mul: Optional[Any] = None) -> Any:
+    return _emit("oracle_mask", [x, w, b, w_mul, *([b_mul] if b_mul is not None else [])], dict(act=act, threshold=float(threshold), layer=layer, n_rows=_rows(w),
                                                 d_model=_d_model(x)))
 
 
 def _t_sparse_ffn(x: Any, w_up: Any, b_up: Optional[Any], w_gate: Optional[Any], w_down_t: Any, mask: Optional[Any],
                   act: str, layer: int, part: str, device: str, s_up: Optional[Any] = None,
-                  s_gate: Optional[Any] = None, s_down: Optional[Any] = None) -> Any:
-    return _emit("sparse_ffn", [x, w_up, b_up, w_gate, w_down_t, mask, *_scales(s_up, s_gate, s_down)],
+                  s_gate: Optional[Any] = None, s_down: Optional[Any] = None, b_gate: Optional[Any] = None) -> Any:
+    return _emit("sparse_ffn", [x, w_up, b_up, w_gate, w_down_t, mask, *_ffn_tail(s_up, s_gate, s_down, b_gate)],
                  dict(act=act, layer=layer, part=part, device=device, n_rows=_rows(w_up), d_model=_d_model(x),
                       gated=int(w_gate is not None)))
 
@@ -179,8 +188,8 @@ def _t_sparse_ffn(x: Any, w_up: Any, b_up: Optional[Any], w_gate: Optional[Any],
 def _t_tvm_sparse_ffn(x: Any, w_up: Any, b_up: Optional[Any], w_gate: Optional[Any], w_down_t: Any,
                       mask: Optional[Any], act: str, layer: int, part: str, device: str, kernel: str,
                       gpu_kernel: str, s_up: Optional[Any] = None, s_gate: Optional[Any] = None,
-                      s_down: Optional[Any] = None) -> Any:
-    return _emit("tvm_sparse_ffn", [x, w_up, b_up, w_gate, w_down_t, mask, *_scales(s_up, s_gate, s_down)],
+                      s_down: Optional[Any] = None, b_gate: Optional[Any] = None) -> Any:
+    return _emit("tvm_sparse_ffn", [x, w_up, b_up, w_gate, w_down_t, mask, *_ffn_tail(s_up, s_gate, s_down, b_gate)],
                  dict(act=act, layer=layer, part=part, device=device, kernel=kernel, gpu_kernel=gpu_kernel,
                       n_rows=_rows(w_up), d_model=_d_model(x), gated=int(w_gate is not None)))
 

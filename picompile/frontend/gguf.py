@@ -169,8 +169,11 @@ def config_from_metadata(reader: Any, path: Path) -> dict[str, Any]:
         "rms_norm_eps": _float(reader, f"{a}.attention.layer_norm_rms_epsilon", path, 1e-5),
         "rope_parameters": rope,
         "tie_word_embeddings": "output.weight" not in names,
-        "attention_bias": "blk.0.attn_q.bias" in names,
-        "mlp_bias": "blk.0.ffn_gate.bias" in names,
+        # llama.cpp reads each bias of a block on its own (blk.N.attn_{q,k,v,output}.bias, ffn_{gate,up,down}.bias,
+        # all optional); HF Llama has one switch for q/k/v/o and one for gate/up/down: any bias turns it on, and
+        # those the file lacks (Qwen2-style q/k/v biases without o) are zeros (load_weights)
+        "attention_bias": any(f"blk.0.attn_{p}.bias" in names for p in ("q", "k", "v", "output")),
+        "mlp_bias": any(f"blk.0.ffn_{p}.bias" in names for p in ("gate", "up", "down")),
         "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": field(reader, "tokenizer.ggml.eos_token_id"),
         "pad_token_id": field(reader, "tokenizer.ggml.padding_token_id"),
@@ -265,6 +268,10 @@ def load_weights(reader: Any, model: torch.nn.Module, config: dict[str, Any], pa
             raise ModelLoadError(f"{path}: tensor {t.name} holds NaN or Inf")
         filled[name] = w
         types[name] = qname
+    for k in expected:  # a bias the file lacks beside others of its kind (see config_from_metadata): zeros
+        if k.endswith(".bias") and k not in filled and _has_sibling_bias(k, filled):
+            filled[k] = torch.zeros(expected[k])
+            types[k] = "zeros (absent)"
     missing = [k for k in expected if k not in filled and not (tied and k == "lm_head.weight")]
     if missing:
         gguf_names = {v: k for k, v in _GLOBAL_NAMES.items()}
@@ -280,6 +287,12 @@ def load_weights(reader: Any, model: torch.nn.Module, config: dict[str, Any], pa
     return types
 
 
+
+
+def _has_sibling_bias(name: str, filled: dict[str, torch.Tensor]) -> bool:
+    """Whether the file gave a bias to another projection of the same kind (attention / MLP) in any block."""
+    kind = ".self_attn." if ".self_attn." in name else ".mlp."
+    return any(k.endswith(".bias") and kind in k for k in filled)
 
 
 def load_gguf(path: Path) -> tuple["LlamaForCausalLM", dict[str, Any], dict[str, Any] | None, dict[str, Any]]:

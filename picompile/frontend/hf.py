@@ -16,8 +16,41 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "FalconForCausalLM": "falcon",
+    "Qwen2ForCausalLM": "llama",  # Llama's layers with q/k/v biases (no o bias)
 }
-_MODEL_TYPES: dict[str, str] = {"opt": "OPTForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+_MODEL_TYPES: dict[str, str] = {"opt": "OPTForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                                "qwen2": "Qwen2ForCausalLM"}
+# config.json key naming a gated FFN's activation form beyond transformers' ``hidden_act`` (applied to the gate):
+# "drelu" = dReLU, TurboSparse's ``down(relu(gate x) * relu(up x))`` (with ``hidden_act: "relu"``); absent or
+# "gated" = transformers' own ``down(act(gate x) * up x)``
+FFN_ACT_KEY: str = "ffn_act"
+FFN_ACTS: tuple[str, ...] = ("gated", "drelu")
+
+
+def _relu_output(_module: torch.nn.Module, _args: Any, out: torch.Tensor) -> torch.Tensor:
+    return torch.relu(out)
+
+
+def apply_ffn_act(model: torch.nn.Module, config: Mapping[str, Any], where: str) -> torch.nn.Module:
+    """``model`` computing the FFN form ``config[FFN_ACT_KEY]`` names: for "drelu", a forward hook on every
+    layer's ``mlp.up_proj`` applies relu to its output (an instance's hook: transformers' modules and the
+    parameters' names stay as they are; torch.export traces it as one aten.relu, which canonicalize-ffn matches
+    as act "drelu"). Anything else is a one-line ModelLoadError."""
+    form = config.get(FFN_ACT_KEY, "gated")
+    if form not in FFN_ACTS:
+        raise ModelLoadError(f"{where}: {FFN_ACT_KEY} {form!r} is not one of {', '.join(map(repr, FFN_ACTS))}")
+    if form == "gated":
+        return model
+    if config.get("hidden_act") != "relu":
+        raise ModelLoadError(f"{where}: {FFN_ACT_KEY} 'drelu' needs hidden_act 'relu', not {config.get('hidden_act')!r}")
+    mlps = [m for name, m in model.named_modules() if name.endswith(".mlp") and hasattr(m, "up_proj")]
+    if not mlps:
+        raise ModelLoadError(f"{where}: {FFN_ACT_KEY} 'drelu' needs a gated FFN (mlp.up_proj), which this model lacks")
+    for mlp in mlps:
+        if not getattr(mlp.up_proj, "_picompile_drelu", False):
+            mlp.up_proj.register_forward_hook(_relu_output)
+            mlp.up_proj._picompile_drelu = True
+    return model
 
 
 def supported_list() -> str:
@@ -201,6 +234,7 @@ def load_hf(spec: str) -> tuple[torch.nn.Module, dict[str, Any], str, dict[str, 
     config = model.config.to_dict()
     if not arch:
         arch = architecture_of(config, spec)
+    apply_ffn_act(model, config, spec)
     tokenizer = None
     if path.exists() and (path / "tokenizer.json").is_file():
         tokenizer = {"kind": "hf", "path": str(path)}

@@ -19,7 +19,18 @@ ACTIVATIONS: dict[str, object] = {
     "silu": torch.nn.functional.silu,
     "gelu": torch.nn.functional.gelu,
     "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+    "drelu": torch.relu,  # dReLU (TurboSparse): relu on the gate branch here, and on the up branch (up_act)
 }
+# FFN activations that also apply to the up branch of a gated FFN: dReLU's ``relu(gate x) * relu(up x)``
+UP_ACTS: dict[str, object] = {"drelu": torch.relu}
+# activations whose neurons are exactly zero when inactive (threshold 0, no --act-sparsity): ReLU and dReLU
+RELU_FAMILY: tuple[str, ...] = ("relu", "drelu")
+
+
+def up_act(x: Tensor, act: str) -> Tensor:
+    """The up branch of a gated FFN after its activation: ``x`` itself, or relu(x) for dReLU."""
+    fn = UP_ACTS.get(act)
+    return x if fn is None else fn(x)  # type: ignore[operator]
 
 
 # Rows of x from which a narrow weight is widened to x's dtype rather than multiplied in its own, on CPUs
@@ -103,13 +114,15 @@ def ffn(
     s_up: Optional[Tensor] = None,  # [n_neurons, d_model / block] float16: w_up is quantized (its quants)
     s_gate: Optional[Tensor] = None,  # [n_neurons, d_model / block]
     s_down: Optional[Tensor] = None,  # [d_model, n_neurons / block]
+    b_gate: Optional[Tensor] = None,  # [n_neurons]: the gate projection's bias (Llama mlp_bias)
 ) -> Tensor:
-    """The canonical FFN: ``down(act(up x))`` or, gated, ``down(act(gate x) * up x)``.
+    """The canonical FFN: ``down(act(up x + b_up) + b_down)`` or, gated, ``down(act(gate x + b_gate) * (up x + b_up))
+    + b_down``; act ``drelu`` (dReLU, TurboSparse): ``down(relu(gate x + b_gate) * relu(up x + b_up))``.
 
     With a mask, neurons outside it count as inactive (their output is zero). A weight with scales is
     quantized (``convert-weights``, int8 / int4): dequantized for the call.
     """
-    h = _hidden(x, deq(w_up, s_up), b_up, None if w_gate is None else deq(w_gate, s_gate), act)  # [..., n_neurons]
+    h = _hidden(x, deq(w_up, s_up), b_up, None if w_gate is None else deq(w_gate, s_gate), act, b_gate)  # [..., n_neurons]
     if mask is not None:
         h = h * mask
     return lin(h, deq(w_down, s_down), b_down)  # [..., d_model]
@@ -119,14 +132,17 @@ def ffn(
 def _ffn_fake(x: Tensor, w_up: Tensor, b_up: Optional[Tensor], w_gate: Optional[Tensor], w_down: Tensor,
               b_down: Optional[Tensor], act: str, layer: int, mask: Optional[Tensor] = None,
               s_up: Optional[Tensor] = None, s_gate: Optional[Tensor] = None,
-              s_down: Optional[Tensor] = None) -> Tensor:
+              s_down: Optional[Tensor] = None, b_gate: Optional[Tensor] = None) -> Tensor:
     return x.new_empty((*x.shape[:-1], w_down.shape[0]))
 
 
-def _hidden(x: Tensor, w_up: Tensor, b_up: Optional[Tensor], w_gate: Optional[Tensor], act: str) -> Tensor:
-    """Neuron outputs before the down projection: act(up x) or act(gate x) * up x."""
+def _hidden(x: Tensor, w_up: Tensor, b_up: Optional[Tensor], w_gate: Optional[Tensor], act: str,
+            b_gate: Optional[Tensor] = None) -> Tensor:
+    """Neuron outputs before the down projection: act(up x + b_up), or act(gate x + b_gate) * up_act(up x + b_up)."""
     up = lin(x, w_up, b_up)
-    return apply_act(up, act) if w_gate is None else apply_act(lin(x, w_gate), act) * up
+    if w_gate is None:
+        return apply_act(up, act)
+    return apply_act(lin(x, w_gate, b_gate), act) * up_act(up, act)
 
 
 @torch.library.custom_op("picompile::predict", mutates_args=())
@@ -155,11 +171,13 @@ def _predict_fake(x: Tensor, fc1: Tensor, fc2: Tensor, threshold: float, layer: 
     return x.new_empty((*x.shape[:-1], fc2.shape[0]), dtype=torch.bool)
 
 
-def activation_score(x: Tensor, w: Tensor, b: Optional[Tensor], act: str, w_mul: Optional[Tensor] = None) -> Tensor:
-    """How strongly each neuron fires: ``|act(w x + b)|``, or ``|act(w x + b) · (w_mul x)|`` (the neuron's
-    actual output in a gated FFN, w = gate and w_mul = up: the "product" criterion). [..., n_neurons]"""
+def activation_score(x: Tensor, w: Tensor, b: Optional[Tensor], act: str, w_mul: Optional[Tensor] = None,
+                     b_mul: Optional[Tensor] = None) -> Tensor:
+    """How strongly each neuron fires: ``|act(w x + b)|``, or ``|act(w x + b) · up_act(w_mul x + b_mul)|`` (the
+    neuron's actual output in a gated FFN, w = gate and w_mul = up: the "product" criterion; dReLU's always).
+    [..., n_neurons]"""
     a = apply_act(lin(x, w, b), act)
-    return (a if w_mul is None else a * lin(x, w_mul)).abs()
+    return (a if w_mul is None else a * up_act(lin(x, w_mul, b_mul), act)).abs()
 
 
 @torch.library.custom_op("picompile::oracle_mask", mutates_args=())
@@ -171,15 +189,16 @@ def oracle_mask(
     threshold: float,
     layer: int,
     w_mul: Optional[Tensor] = None,  # [n_neurons, d_model]: up rows for the product criterion, else None
+    b_mul: Optional[Tensor] = None,  # [n_neurons]: the up bias with w_mul
 ) -> Tensor:
-    """The true activation mask, ``activation_score(x, w, b, act, w_mul) > threshold`` (exact; computes every
-    neuron's decider: the gate — CATS — or, with w_mul, gate and up)."""
-    return activation_score(x, w, b, act, w_mul) > threshold
+    """The true activation mask, ``activation_score(x, w, b, act, w_mul, b_mul) > threshold`` (exact; computes
+    every neuron's decider: the gate — CATS — or, with w_mul, gate and up)."""
+    return activation_score(x, w, b, act, w_mul, b_mul) > threshold
 
 
 @oracle_mask.register_fake
 def _oracle_fake(x: Tensor, w: Tensor, b: Optional[Tensor], act: str, threshold: float, layer: int,
-                 w_mul: Optional[Tensor] = None) -> Tensor:
+                 w_mul: Optional[Tensor] = None, b_mul: Optional[Tensor] = None) -> Tensor:
     return x.new_empty((*x.shape[:-1], w.shape[0]), dtype=torch.bool)
 
 
@@ -198,6 +217,7 @@ def sparse_ffn(
     s_up: Optional[Tensor] = None,  # [k, d_model / block] float16: w_up holds int8 / int4 quants
     s_gate: Optional[Tensor] = None,  # [k, d_model / block]
     s_down: Optional[Tensor] = None,  # [k, d_model / block]: w_down_t's blocks run along d_model
+    b_gate: Optional[Tensor] = None,  # [k]: the gate bias of this part's rows
 ) -> Tensor:
     """One part (hot or cold) of a split FFN: Σ_j h_j · w_down_t[j] over the active rows j (no down bias).
 
@@ -210,9 +230,9 @@ def sparse_ffn(
         idx = mask.reshape(-1).nonzero().squeeze(1)  # [n_active]
         xr = x.reshape(1, d)
         h = _hidden(xr, _rows(w_up, s_up, idx), None if b_up is None else b_up[idx],  # type: ignore[arg-type]
-                    _rows(w_gate, s_gate, idx), act)
+                    _rows(w_gate, s_gate, idx), act, None if b_gate is None else b_gate[idx])
         return lin(h, _rows(w_down_t, s_down, idx).t()).reshape(x.shape)  # type: ignore[union-attr]  # [..., d_model]
-    h = _hidden(x, deq(w_up, s_up), b_up, None if w_gate is None else deq(w_gate, s_gate), act)  # [..., k]
+    h = _hidden(x, deq(w_up, s_up), b_up, None if w_gate is None else deq(w_gate, s_gate), act, b_gate)  # [..., k]
     if mask is not None:
         h = h * mask
     return lin(h, deq(w_down_t, s_down).t())  # h @ w_down_t
@@ -222,7 +242,7 @@ def sparse_ffn(
 def _sparse_ffn_fake(x: Tensor, w_up: Tensor, b_up: Optional[Tensor], w_gate: Optional[Tensor], w_down_t: Tensor,
                      mask: Optional[Tensor], act: str, layer: int, part: str, device: str,
                      s_up: Optional[Tensor] = None, s_gate: Optional[Tensor] = None,
-                     s_down: Optional[Tensor] = None) -> Tensor:
+                     s_down: Optional[Tensor] = None, b_gate: Optional[Tensor] = None) -> Tensor:
     return torch.empty_like(x)
 
 
@@ -317,6 +337,7 @@ def tvm_sparse_ffn(
     s_up: Optional[Tensor] = None,  # [k, d_model / block] float16 scales of quantized w_up (as sparse_ffn)
     s_gate: Optional[Tensor] = None,  # [k, d_model / block]
     s_down: Optional[Tensor] = None,  # [k, d_model / block]
+    b_gate: Optional[Tensor] = None,  # [k] gate bias (the kernel's spec has gate_bias; passed after b_up)
 ) -> Tensor:
     """sparse_ffn lowered to a TVM kernel: one token runs the kernel over the active rows; several
     tokens (prefill) take the dense masked path, which is faster than gathering per token. A quantized
@@ -325,17 +346,18 @@ def tvm_sparse_ffn(
     if w_up.shape[0] == 0:  # an empty part (all neurons on the other device): nothing to launch
         return torch.zeros_like(x)
     if x.numel() != d or not kernel:
-        return sparse_ffn(x, w_up, b_up, w_gate, w_down_t, mask, act, layer, part, device, s_up, s_gate, s_down)
+        return sparse_ffn(x, w_up, b_up, w_gate, w_down_t, mask, act, layer, part, device, s_up, s_gate, s_down, b_gate)
     kern = _loaded(kernel, f"layer {layer}, {part} part")
     idx = _all_rows(w_up.shape[0]) if mask is None else mask.reshape(-1).nonzero().squeeze(1).to(torch.int32)
     from picompile.kernels import as_aligned
 
     xv = as_aligned(x.reshape(d))  # x itself when contiguous and 64-byte aligned (the usual case)
     y = _out(d)  # [d_model]
+    gb = () if b_gate is None else (b_gate,)  # a gate-bias kernel takes it last (kernels.loader.call_args)
     if s_up is None:
-        kern.unchecked(xv, w_up, w_gate, b_up, w_down_t, idx, y)  # type: ignore[attr-defined]
+        kern.unchecked(xv, w_up, w_gate, b_up, w_down_t, idx, y, *gb)  # type: ignore[attr-defined]
     else:
-        kern.unchecked(xv, w_up, s_up, w_gate, s_gate, b_up, w_down_t, s_down, idx, y)  # type: ignore[attr-defined]
+        kern.unchecked(xv, w_up, s_up, w_gate, s_gate, b_up, w_down_t, s_down, idx, y, *gb)  # type: ignore[attr-defined]
     return y.reshape(x.shape)
 
 
@@ -343,7 +365,7 @@ def tvm_sparse_ffn(
 def _tvm_sparse_ffn_fake(x: Tensor, w_up: Tensor, b_up: Optional[Tensor], w_gate: Optional[Tensor], w_down_t: Tensor,
                          mask: Optional[Tensor], act: str, layer: int, part: str, device: str, kernel: str,
                          gpu_kernel: str, s_up: Optional[Tensor] = None, s_gate: Optional[Tensor] = None,
-                         s_down: Optional[Tensor] = None) -> Tensor:
+                         s_down: Optional[Tensor] = None, b_gate: Optional[Tensor] = None) -> Tensor:
     return torch.empty_like(x)
 
 

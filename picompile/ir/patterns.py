@@ -62,39 +62,46 @@ def ffn_nodes(gm: fx.GraphModule) -> dict[int, fx.Node]:
 
 @dataclass
 class Decider:
-    """What decides if a neuron of one FFN fires: ``activation_score(x, w, b, act, w_mul) > threshold``."""
+    """What decides if a neuron of one FFN fires: ``activation_score(x, w, b, act, w_mul, b_mul) > threshold``."""
 
     w: torch.Tensor  # [n_neurons, d_model] gate rows for gated FFNs, else up rows
-    b: torch.Tensor | None  # [n_neurons] up bias of a plain MLP
+    b: torch.Tensor | None  # [n_neurons] the bias of w's rows (gate bias, or a plain MLP's up bias)
     act: str
-    w_mul: torch.Tensor | None  # [n_neurons, d_model] up rows: the product criterion (gated, non-ReLU), else None
+    w_mul: torch.Tensor | None  # [n_neurons, d_model] up rows: the product criterion (gated, non-ReLU; dReLU), else None
+    b_mul: torch.Tensor | None = None  # [n_neurons] the up bias with w_mul
 
     def score(self, x: torch.Tensor) -> torch.Tensor:  # [N, d_model] -> [N, n_neurons]
-        return activation_score(x, self.w, self.b, self.act, self.w_mul)
+        return activation_score(x, self.w, self.b, self.act, self.w_mul, self.b_mul)
 
     @torch.no_grad()
     def margin(self, x: torch.Tensor, threshold: float) -> torch.Tensor:  # [N, d_model] -> [N, n_neurons]
-        """How far each neuron is above firing (> 0: fires): ReLU's pre-activation ``w x + b``, else
+        """How far each neuron is above firing (> 0: fires): ReLU's pre-activation ``w x + b``; dReLU's smaller
+        pre-activation ``min(gate x + b, up x + b_mul)`` (it fires when both are positive); else
         ``score - threshold``."""
         if self.act == "relu" and self.w_mul is None:
             return lin(x, self.w, self.b).float() - threshold
+        if self.act == "drelu" and self.w_mul is not None:
+            return torch.minimum(lin(x, self.w, self.b).float(), lin(x, self.w_mul, self.b_mul).float()) - threshold
         return self.score(x).float() - threshold
 
 
-def decider_nodes(node: fx.Node, criterion: str = "gate") -> tuple[fx.Node, fx.Node | None, fx.Node | None]:
-    """The weight nodes (w, b, w_mul) of a picompile.ffn ``node`` that decide if a neuron fires: gate rows for
-    gated FFNs (times the up rows for non-ReLU ones under the "product" criterion), else the up rows and bias."""
+def decider_nodes(node: fx.Node, criterion: str = "gate") -> tuple[fx.Node, fx.Node | None, fx.Node | None,
+                                                                 fx.Node | None]:
+    """The weight nodes (w, b, w_mul, b_mul) of a picompile.ffn ``node`` that decide if a neuron fires: gate rows
+    and bias for gated FFNs (times the up rows and bias for non-ReLU ones under the "product" criterion, and
+    always for dReLU, whose neuron is zero when either branch is), else the up rows and bias."""
     a = args_of(node)
     if a["w_gate"] is not None:
-        return a["w_gate"], None, a["w_up"] if criterion == "product" and a["act"] != "relu" else None
-    return a["w_up"], a["b_up"], None
+        mul = a["act"] == "drelu" or (criterion == "product" and a["act"] != "relu")
+        return a["w_gate"], a["b_gate"], a["w_up"] if mul else None, a["b_up"] if mul else None
+    return a["w_up"], a["b_up"], None, None
 
 
 def decider_of(gm: fx.GraphModule, node: fx.Node, criterion: str = "gate") -> Decider:
     """The :class:`Decider` of a picompile.ffn ``node`` (its :func:`decider_nodes` as tensors)."""
-    w, b, w_mul = (None if n is None else get_tensor(gm, n) for n in decider_nodes(node, criterion))
+    w, b, w_mul, b_mul = (None if n is None else get_tensor(gm, n) for n in decider_nodes(node, criterion))
     assert w is not None
-    return Decider(w, b, str(arg(node, "act")), w_mul)
+    return Decider(w, b, str(arg(node, "act")), w_mul, b_mul)
 
 
 def linear_parts(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:

@@ -20,9 +20,9 @@ from picompile.ir.patterns import SCALE_ARGS
 FFN_OPS: tuple[str, ...] = ("ffn", "sparse_ffn", "tvm_sparse_ffn")  # the ops that compute FFN neurons
 # the weights each FFN op reads, in call order; ffn's down projection is [d_model, n_neurons]: a column per neuron
 FFN_WEIGHTS: dict[str, tuple[str, ...]] = {
-    "ffn": ("w_up", "b_up", "w_gate", "w_down", "b_down", "s_up", "s_gate", "s_down"),
-    "sparse_ffn": ("w_up", "b_up", "w_gate", "w_down_t", "s_up", "s_gate", "s_down"),
-    "tvm_sparse_ffn": ("w_up", "b_up", "w_gate", "w_down_t", "s_up", "s_gate", "s_down"),
+    "ffn": ("w_up", "b_up", "w_gate", "w_down", "b_down", "s_up", "s_gate", "s_down", "b_gate"),
+    "sparse_ffn": ("w_up", "b_up", "w_gate", "w_down_t", "s_up", "s_gate", "s_down", "b_gate"),
+    "tvm_sparse_ffn": ("w_up", "b_up", "w_gate", "w_down_t", "s_up", "s_gate", "s_down", "b_gate"),
 }
 
 
@@ -50,7 +50,8 @@ def skips_inactive(op: str | None, args: Mapping[str, Any]) -> bool:
 
     if op != "tvm_sparse_ffn" or not args.get("kernel"):
         return False
-    return kernel_skips("ffn_gated" if args["w_gate"] is not None else "ffn_relu", str(args["act"]))
+    return kernel_skips("ffn_gated" if args["w_gate"] is not None else "ffn_relu", str(args["act"]),
+                        args.get("b_gate") is not None)
 
 
 def _row_sparse(op: str, name: str, t: Tensor, n_rows: int) -> bool:

@@ -41,7 +41,8 @@ class WideningInterpreter(fx.Interpreter):
 def float32_decider(gm: fx.GraphModule, node: fx.Node, criterion: str = "gate") -> Decider:
     """:func:`decider_of` with its tensors in float32 (copies only where they are stored narrower)."""
     d = decider_of(gm, node, criterion)
-    return dataclasses.replace(d, w=widened(d.w), b=widened(d.b), w_mul=widened(d.w_mul))
+    return dataclasses.replace(d, w=widened(d.w), b=widened(d.b), w_mul=widened(d.w_mul),
+                               b_mul=widened(d.b_mul))
 
 
 def stored_narrow(gm: fx.GraphModule) -> bool:

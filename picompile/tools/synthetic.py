@@ -37,6 +37,7 @@ from picompile.tools.synthetic_model import (
     SyntheticShape,
     build_synthetic_model,
     decoder_layers,
+    is_drelu,
     seq_shape,
 )
 
@@ -62,14 +63,23 @@ def measure_sparsity(model: torch.nn.Module, n_tokens: int = 256, seed: int = 1)
     counts: list[Tensor | None] = [None] * len(layers)
     seen = [0] * len(layers)
 
+    def count(i: int, active: Tensor) -> None:
+        active = active.reshape(-1, active.shape[-1])
+        counts[i] = active.sum(0) if counts[i] is None else counts[i] + active.sum(0)
+        seen[i] += active.shape[0]
+
     def hook(i: int) -> Callable[..., None]:
         def fn(_module: torch.nn.Module, _args: Any, out: Tensor) -> None:
-            active = (out > 0).reshape(-1, out.shape[-1])
-            counts[i] = active.sum(0) if counts[i] is None else counts[i] + active.sum(0)
-            seen[i] += active.shape[0]
+            count(i, out > 0)
         return fn
 
-    handles = [m.register_forward_hook(hook(i)) for i, m in enumerate(acts)]
+    def down_hook(i: int) -> Callable[..., None]:  # dReLU: active = relu(gate x) * relu(up x) != 0
+        def fn(_module: torch.nn.Module, args: Any) -> None:
+            count(i, args[0] != 0)
+        return fn
+
+    handles = [layer.mlp.down_proj.register_forward_pre_hook(down_hook(i)) if is_drelu(layer)
+               else m.register_forward_hook(hook(i)) for i, (m, layer) in enumerate(zip(acts, layers))]
     cfg = model.config
     b, t = seq_shape(n_tokens, int(cfg.max_position_embeddings))
     ids = torch.randint(0, int(cfg.vocab_size), (b, t), generator=torch.Generator().manual_seed(seed))
@@ -98,6 +108,8 @@ def default_name(params: SyntheticParams) -> str:
         name += f"-active{params.active:g}"
     if params.locality != 0.26:
         name += f"-loc{params.locality:g}"
+    if params.ffn != "relu":
+        name += f"-{params.ffn}"
     return name
 
 
@@ -117,7 +129,8 @@ def _complete(path: Path, params: SyntheticParams) -> bool:
         return False
     if not any(path.glob("*.safetensors")):
         return False
-    return all(meta.get(k) == v for k, v in asdict(params).items())
+    defaults = asdict(SyntheticParams(shape=params.shape))  # a field added later: its default (older checkpoints)
+    return all(meta.get(k, defaults[k]) == v for k, v in asdict(params).items())
 
 
 def _card(params: SyntheticParams, shape: SyntheticShape, description: dict[str, Any], stats: list[dict[str, Any]]) -> str:
@@ -127,7 +140,8 @@ def _card(params: SyntheticParams, shape: SyntheticShape, description: dict[str,
         "",
         f"Made by `picompile.tools.synthetic` (generator version {params.generator_version}) with seed {params.seed}. "
         f"Shape of {shape.like}: {shape.family}, d_model {shape.d_model}, {shape.n_neurons} FFN neurons, "
-        f"{shape.n_layers} layers, {shape.n_heads} heads ({shape.n_kv_heads} KV), vocab {shape.vocab}, ReLU.",
+        f"{shape.n_layers} layers, {shape.n_heads} heads ({shape.n_kv_heads} KV), vocab {shape.vocab}, "
+        + ("dReLU: relu(gate x) * relu(up x) (config ffn_act: drelu)." if params.ffn == "drelu" else "ReLU."),
         "",
         "It exists to measure activation-sparse inference speed on realistic shapes. Its outputs mean nothing.",
         "",
@@ -177,6 +191,8 @@ def make_synthetic(shape: str, out: Path | str | None = None, seed: int = 0, act
     params = SyntheticParams(shape=shape, seed=seed, active=float(active), locality=float(locality), **options)
     if shape not in SHAPES:
         raise PicompileError(f"unknown synthetic shape {shape!r}; choose one of {', '.join(SHAPES)}")
+    if params.ffn != "relu" and (streamed if streamed is not None else shape in STREAMED):
+        raise PicompileError(f"ffn {params.ffn!r} is not made by the streamed (layer by layer) generator of {shape}")
     out = Path(out) if out is not None else default_cache_dir() / "synthetic" / default_name(params)
     if _complete(out, params):
         return out
@@ -227,19 +243,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--active", type=float, default=0.1, help="mean fraction of FFN neurons firing per token")
     ap.add_argument("--locality", type=float, default=0.26, help="fraction of neurons carrying 80%% of activations")
+    ap.add_argument("--ffn", choices=["relu", "drelu"], default="relu",
+                    help="FFN form: relu(gate x) * up x, or dReLU relu(gate x) * relu(up x) (Llama shapes)")
     ap.add_argument("--remeasure", action="store_true", help="measure again (else: the numbers stored at generation)")
     ap.add_argument("--tokens", type=int, default=256, help="random tokens for --remeasure")
     args = ap.parse_args(argv)
     try:
         path = make_synthetic(args.shape, args.out, args.seed, args.active, args.locality,
-                              emit=lambda s: print(s, file=sys.stderr))
+                              emit=lambda s: print(s, file=sys.stderr), ffn=args.ffn)
     except PicompileError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
     if args.remeasure:
         from transformers import AutoModelForCausalLM
 
+        from picompile.frontend.hf import apply_ffn_act
+
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+        apply_ffn_act(model, model.config.to_dict(), str(path))
         stats = measure_sparsity(model, n_tokens=args.tokens, seed=args.seed + 2)
     else:
         stats = load_stats(path)

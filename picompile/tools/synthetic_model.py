@@ -18,6 +18,9 @@ How activations are made sparse (per FFN layer, every layer alike):
      the weights that read it (q/k/v/up_proj, lm_head) have column c = 0. After RMSNorm, x_c is nearly
      constant (it varies with 1/rms(h), a few per cent at d_model 2048), and
      ``gate_proj[:, c] = b / mean(x_c)`` is the bias. Works with the unmodified ``LlamaForCausalLM``.
+   - dReLU (``ffn="drelu"``, Llama only: ``relu(gate x) * relu(up x)``, config ``ffn_act: "drelu"``): a neuron
+     is active when both branches are positive; each branch gets a bias (gate_proj's and up_proj's column c) for
+     ``sqrt(p_j)``, so that the product fires with about p_j (the two pre-activations are nearly independent).
 3. **Predictable masks: a low-dimensional residual stream.** Hidden states of trained LLMs are
    strongly anisotropic (few directions carry most of the variance); that is what lets small predictors
    learn the masks from a few thousand tokens. Here a random orthonormal basis Q of ``subspace_rank``
@@ -139,6 +142,7 @@ class SyntheticParams:
     subspace_rank: int = 0  # its dimension; 0 = d_model // 16 (at least 8)
     const_value: float = 1.0  # Llama: value of the constant hidden dimension
     calibration_tokens: int = 256
+    ffn: str = "relu"  # "relu": relu(gate x) * up x; "drelu" (Llama): relu(gate x) * relu(up x), TurboSparse's dReLU
     generator_version: int = GENERATOR_VERSION
 
     def rank(self, d_model: int) -> int:
@@ -152,11 +156,19 @@ def seq_shape(n_tokens: int, max_pos: int) -> tuple[int, int]:
 
 
 # -- the model -------------------------------------------------------------------------------------
-def _hf_config(shape: SyntheticShape) -> Any:
+FFN_FORMS: tuple[str, ...] = ("relu", "drelu")
+
+
+def _hf_config(shape: SyntheticShape, ffn: str = "relu") -> Any:
     from transformers import LlamaConfig, OPTConfig
 
+    if ffn not in FFN_FORMS:
+        raise PicompileError(f"unknown synthetic FFN {ffn!r}; choose one of {', '.join(FFN_FORMS)}")
+    if ffn == "drelu" and shape.family != "llama":
+        raise PicompileError(f"ffn 'drelu' needs a gated (Llama) shape, not {shape.family}")
     if shape.family == "llama":
-        return LlamaConfig(
+        extra = {"ffn_act": "drelu"} if ffn == "drelu" else {}  # frontend.hf.FFN_ACT_KEY
+        return LlamaConfig(**extra,
             vocab_size=shape.vocab, hidden_size=shape.d_model, intermediate_size=shape.n_neurons,
             num_hidden_layers=shape.n_layers, num_attention_heads=shape.n_heads, num_key_value_heads=shape.n_kv_heads,
             hidden_act="relu", max_position_embeddings=shape.max_pos, rms_norm_eps=1e-5, tie_word_embeddings=False,
@@ -267,7 +279,7 @@ def build_synthetic_model(params: SyntheticParams, emit: Callable[[str], None] =
         raise PicompileError(f"unknown synthetic shape {params.shape!r}; choose one of {', '.join(SHAPES)}")
     shape = SHAPES[params.shape]
     gen = torch.Generator().manual_seed(params.seed)
-    model = _empty_model(shape, params.seed)
+    model = _empty_model(shape, params.seed, params.ffn)
     d, llama = shape.d_model, shape.family == "llama"
     c = d - 1  # Llama: the constant hidden dimension
     p_sorted, a, alpha = power_law_frequencies(shape.n_neurons, params.active, params.locality, params.p_max)
@@ -290,14 +302,24 @@ def build_synthetic_model(params: SyntheticParams, emit: Callable[[str], None] =
     return model, description
 
 
-def _empty_model(shape: SyntheticShape, seed: int) -> torch.nn.Module:
-    """The HF model of ``shape`` (float32, eval), initialised under ``seed`` without touching the global RNG."""
+def _empty_model(shape: SyntheticShape, seed: int, ffn: str = "relu") -> torch.nn.Module:
+    """The HF model of ``shape`` (float32, eval), initialised under ``seed`` without touching the global RNG;
+    ``ffn`` "drelu": with the frontend's dReLU hooks (``frontend.hf.apply_ffn_act``)."""
     from transformers import AutoModelForCausalLM
 
-    config = _hf_config(shape)
+    from picompile.frontend.hf import apply_ffn_act
+
+    config = _hf_config(shape, ffn)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
+    return apply_ffn_act(model, config.to_dict(), f"synthetic {ffn}")
+
+
+def is_drelu(layer: torch.nn.Module) -> bool:
+    """Whether a decoder layer's FFN computes dReLU (the frontend's hook on its up_proj)."""
+    mlp = getattr(layer, "mlp", None)
+    return bool(getattr(getattr(mlp, "up_proj", None), "_picompile_drelu", False))
 
 
 def _residual_basis(d: int, rank: int, llama: bool, gen: torch.Generator) -> Tensor:
@@ -402,10 +424,16 @@ def _calibrate_layer(layer: torch.nn.Module, h: Tensor, kwargs: dict[str, Any], 
     mu, sigma = z.double().mean(0), z.double().std(0).clamp_min(1e-12)
     perm = torch.randperm(n, generator=gen)
     p = torch.as_tensor(p_sorted)[perm]  # [n] this layer's target frequency per neuron
-    bias = (-mu + sigma * torch.special.ndtri(p)).float()  # [n]
+    drelu = llama and is_drelu(layer)
+    q = p.sqrt() if drelu else p  # dReLU: each branch fires with sqrt(p), the product with ~p
+    bias = (-mu + sigma * torch.special.ndtri(q)).float()  # [n]
     if llama:
         xc = float(x[:, c].double().mean())
         decider.weight[:, c] = bias / xc
+        if drelu:  # the up branch's own bias, in its column c (still 0 here, as the gate's was)
+            zu = torch.nn.functional.linear(x, layer.mlp.up_proj.weight).double()  # [N, n]
+            b_u = (-zu.mean(0) + zu.std(0).clamp_min(1e-12) * torch.special.ndtri(q)).float()  # [n]
+            layer.mlp.up_proj.weight[:, c] = b_u / xc
         y = layer.mlp(x)
         s_ffn = target / max(_rms(y), 1e-12)
         layer.mlp.down_proj.weight.mul_(s_ffn)

@@ -35,6 +35,8 @@ def _fired_rows(args: Mapping[str, Any], mask: Tensor) -> int:
     z = deq(w[rows], None if s is None else s[rows]).float() @ x  # [k] (a quantized weight: its rows dequantized)
     if w_gate is None and b_up is not None:
         z = z + b_up[rows].float()
+    if w_gate is not None and args.get("b_gate") is not None:
+        z = z + args["b_gate"][rows].float()
     return int((z > 0).sum())
 
 
