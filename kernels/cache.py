@@ -59,6 +59,11 @@ def _expected_meta(spec: KernelSpec, mcpu: str | None = None) -> dict[str, Any]:
 
         meta["compile_target"] = str(host_target(mcpu))
         meta["cores"] = build_cores()  # the y-chunking is sized for this many cores
+        if spec.quantized:  # integer dot products where the target has them (cpu_qdot.py)
+            from . import cpu_qdot
+
+            isa = cpu_qdot.isa_for(host_target(mcpu))
+            meta["qdot"] = isa if cpu_qdot.applies(spec, isa) else None
     return meta
 
 
@@ -120,7 +125,7 @@ def _compile_cpu(spec: KernelSpec, out: Path, mcpu: str | None = None) -> dict[s
     """Decode (+ batched, except kind ``predict``: one token only) PrimFuncs → one LLVM module → ``out`` (.so)."""
     import tvm
 
-    from . import cpu
+    from . import cpu, cpu_qdot
     from .compute import describe, describe_partitioned, describe_predict
 
     key = spec.key()
@@ -136,7 +141,11 @@ def _compile_cpu(spec: KernelSpec, out: Path, mcpu: str | None = None) -> dict[s
         if not batched:
             arg_names = desc.arg_names
         name = key + ("_batch" if batched else "")
-        funcs[name] = cpu.as_named(cpu.schedule(desc, spec), name)
+        isa = cpu_qdot.isa_for(cpu.host_target(mcpu)) if spec.quantized and not batched else None
+        if cpu_qdot.applies(spec, isa):  # one token: integer dot products (VNNI / AVX512-BW)
+            funcs[name] = cpu_qdot.describe_up(spec, isa).with_attr("global_symbol", name)
+        else:
+            funcs[name] = cpu.as_named(cpu.schedule(desc, spec), name)
     mod = tvm.IRModule(funcs)
     lib = tvm.compile(mod, target=cpu.host_target(mcpu))
     lib.export_library(str(out))

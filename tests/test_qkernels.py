@@ -186,3 +186,60 @@ def test_quantized_cuda_kernel_matches_reference(case: tuple, cache_dir: Path) -
         assert not torch.isnan(out).any()
         err = float((out.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
         assert err < TOL, f"k={k}: relative error {err:.2e}"
+
+
+QDOT_CASES = [  # weight dtype, block, d_model, mcpu (LLVM CPU: which integer dot products it has), expected isa
+    ("int4", 32, 512, "icelake-server", "vnni"),
+    ("int8", 32, 512, "icelake-server", "vnni"),
+    ("int4", 32, 1024, "skylake-avx512", "avx512bw"),
+    ("int8", 64, 1024, "skylake-avx512", "avx512bw"),
+    ("int4", 64, 1024, None, None),  # this machine's CPU: whichever it has (AVX-512 hosts: one of the two)
+    ("int4", 32, 512, "x86-64-v3", "float"),  # AVX2 only: the float kernel (exact dequantized maths)
+]
+
+
+@pytest.mark.parametrize("case", QDOT_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_integer_dot_gemv_matches_quantized_x_reference(case: tuple, tmp_path: Path) -> None:
+    """Kind ``up`` with d_model a multiple of 16 blocks: integer dot products (``kernels/cpu_qdot.py``) where the
+    target has VNNI or AVX512-BW, chosen from the LLVM CPU's features at build time (both built and run here: this
+    machine kind has VNNI, so either runs). Against ``qdot_reference`` (x quantized to int8 blocks, exact integer
+    block dots, float64): max abs error / max abs reference < TOL; against the float maths within x's rounding."""
+    import json
+
+    from picompile.kernels import cpu_qdot
+    from picompile.kernels.qformat import qdot_reference
+
+    wdt, block, d, mcpu, isa = case
+    if mcpu and mcpu != "x86-64-v3" and not _host_has("avx512bw" if isa == "avx512bw" else "avx512_vnni"):
+        pytest.skip(f"this CPU cannot run {isa} code")
+    spec = KernelSpec("up", "none", d, 37, wdt, False, "llvm", block=block)
+    gen = torch.Generator().manual_seed(block + d)
+    q, s, w = _quantized(spec, gen)
+    x = torch.randn(d, generator=gen)
+    x[block : 2 * block] = 0.0  # an all-zero block of x (its scale 0)
+    x = as_aligned(x)
+    idx = as_aligned(torch.tensor([36, 0, 5, 17, 3, 35, 1], dtype=torch.int32))
+    h = aligned_empty(idx.numel())
+    load_kernel(build_kernel(spec, tmp_path, mcpu=mcpu), spec)(x, q, s, None, None, None, idx, h)
+    built = json.loads((tmp_path / f"{spec.key()}.json").read_text()).get("qdot")
+    expected = None if isa == "float" else isa
+    if isa is None:
+        import tvm
+
+        expected = cpu_qdot.isa_for(tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu()}))
+    assert built == expected
+    rows = idx.long()
+    flt = x.double() @ w[rows].T
+    if built is None:  # the float kernel: exact dequantized maths
+        assert float((h.double() - flt).abs().max() / flt.abs().max()) < TOL
+        return
+    ref = qdot_reference(x, q, s)[rows]
+    assert float((h.double() - ref).abs().max() / ref.abs().max()) < TOL
+    assert float((h.double() - flt).abs().max() / flt.abs().max()) < 2e-2  # x's int8 rounding (~5e-3 measured)
+
+
+def _host_has(flag: str) -> bool:
+    try:
+        return flag in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False

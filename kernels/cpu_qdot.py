@@ -1,0 +1,153 @@
+"""Quantized CPU dot products with integer multiply-adds (llama.cpp's ``vec_dot_q4_0_q8_0`` / ``q8_0_q8_0``).
+
+Kind ``up`` (one token, no bias: the dense GEMV of every quantized linear layer, and the sparse up part), int8 /
+int4 weights (``qformat.py``): the kernel first quantizes ``x`` once per call to int8 blocks of the weight's block
+size (``dx = max|x| / 127``, ``xq = round_half_even(x / dx)``; ``qx_reference`` below is the torch twin), then each
+row's dot product is integer: per 64-byte chunk of quants one (int8) or two (int4: low and high nibbles) u8 × s8
+→ i32 multiply-adds of 64 byte pairs, then one float multiply-add per 16 int32 lanes by ``s_w[block] * dx[block]``.
+
+* int4: the nibbles are unsigned (0..15) and are the u8 operand as they are; the ``- 8`` is folded into the int32
+  accumulator's start value ``-8 * Σ xq`` over the lane's 8 elements (computed with ``x``'s quantization). ``x``'s
+  quants are stored in the byte order of the weight row (``xlo[p]`` / ``xhi[p]``: the elements of the low / high
+  nibble of byte ``p``), so a chunk of quants and a chunk of ``x`` pair byte for byte, no shuffle.
+* int8: signed × signed, by llama.cpp's sign transfer: ``|w|`` (u8) × ``sign(w) · xq`` (s8).
+* lane → block: int32 lane ``l`` of chunk ``c`` sums bytes ``64c + 4l …+3``, all of one block; its scale is the
+  block's float16 weight scale (16 of them widened at once, ``vcvtph2ps``, then one ``vpermps`` per chunk puts each
+  on its lanes) times the lane's ``dx``.
+* ISA (``isa_for``, from the LLVM target's features at build time): ``vnni`` (AVX512-VNNI ``vpdpbusd``; AMD Zen 4,
+  Intel Ice Lake and later, AMX machines too), ``avx512bw`` (``vpmaddubsw`` + ``vpmaddwd``: the same sums, int16
+  pairs cannot saturate: 2 · 15 · 127 and 2 · 128 · 127 < 32768), else ``None``: the float kernels of
+  ``compute.py`` / ``cpu.py`` (AVX2, generic LLVM, odd shapes).
+* shape condition: ``d_model`` a multiple of 16 blocks (``16 * block``: 512 at block 32), so the scales of a
+  16-block group are one 32-byte load; other shapes take the float kernel.
+
+The maths differ from the float kernels by ``x``'s quantization (as llama.cpp's): compared against
+``qx_reference`` (the same quantized maths in torch, float64) to float32 rounding.
+"""
+from __future__ import annotations
+
+import tvm
+from tvm import tirx
+from tvm.script import tirx as T
+
+from .spec import KernelSpec
+
+ISAS: tuple[str, ...] = ("vnni", "avx512bw")
+
+
+def isa_for(target: tvm.target.Target) -> str | None:
+    """The integer dot-product instructions the LLVM ``target`` has: "vnni", "avx512bw", or None."""
+    from tvm.target import codegen
+
+    if not codegen.llvm_cpu_has_features(["avx512bw", "avx512f"], target):
+        return None
+    return "vnni" if codegen.llvm_cpu_has_features(["avx512vnni"], target) else "avx512bw"
+
+
+def applies(spec: KernelSpec, isa: str | None) -> bool:
+    """Whether the one-token kernel of ``spec`` is this module's (else the float kernels of cpu.py)."""
+    return (isa is not None and spec.quantized and not spec.is_cuda and spec.kind == "up" and not spec.has_bias
+            and spec.d_model % (16 * spec.block) == 0)
+
+
+def _dot(isa: str, acc: tirx.PrimExpr, u8: tirx.PrimExpr, s8: tirx.PrimExpr) -> tirx.PrimExpr:
+    """``acc[l] + Σ_{t<4} u8[4l+t] · s8[4l+t]`` over 16 int32 lanes."""
+    if isa == "vnni":
+        return tirx.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.vpdpbusd.512", acc, u8, s8)
+    pairs = tirx.call_llvm_pure_intrin("int16x32", "llvm.x86.avx512.pmaddubs.w.512", u8, s8)
+    ones = tirx.Broadcast(tirx.const(1, "int16"), 32)
+    return acc + tirx.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.pmaddw.d.512", pairs, ones)
+
+
+def _act(act: str, v: tirx.PrimExpr) -> tirx.PrimExpr:
+    if act == "relu":
+        return tirx.max(v, tirx.const(0.0, "float32"))
+    if act == "silu":
+        return v * tirx.sigmoid(v)
+    return v
+
+
+def describe_up(spec: KernelSpec, isa: str) -> tirx.PrimFunc:
+    """The one-token ``up`` kernel ``h[j] = act(w[idx[j]] · x)``, arguments ``(x, w, s, idx, h)``."""
+    if not applies(spec, isa):
+        raise ValueError(f"no integer dot-product kernel for {spec}")
+    d, n, B = spec.d_model, spec.n_rows, spec.block
+    int4 = spec.weight_dtype == "int4"
+    qdt = "uint8" if int4 else "int8"
+    nb = d // B  # blocks per row
+    RB = d // 2 if int4 else d  # quant bytes per row
+    HB = B // 2 if int4 else B  # quant bytes per block
+    NL = RB // 4  # int32 lanes per row
+    GB = 16 * HB  # quant bytes of a 16-block group
+    CPG = GB // 64  # 64-byte chunks per group
+    NG = nb // 16
+    VX = B // 16  # 16-element vectors of x per block
+    act = spec.act
+    dot = _dot
+    zero16 = tirx.Broadcast(tirx.const(0, "int32"), 16)
+
+    @T.prim_func(check_well_formed=False)
+    def up(xh: T.handle, wh: T.handle, sh: T.handle, idxh: T.handle, hh: T.handle) -> None:
+        T.func_attr({"tirx.noalias": True})
+        k = T.int32()
+        x = T.match_buffer(xh, (d,), "float32", align=64)  # [d_model]
+        w = T.match_buffer(wh, (n, RB), qdt, align=64)  # [n_rows, quant bytes]
+        s = T.match_buffer(sh, (n, nb), "float16", align=64)  # [n_rows, blocks]
+        idx = T.match_buffer(idxh, (k,), "int32")  # [k]
+        h = T.match_buffer(hh, (k,), "float32")  # [k]
+        xa = T.decl_buffer((RB,), "int8", align=64)  # int4: x quants of the low nibbles; int8: x quants
+        xb = T.decl_buffer((RB,), "int8", align=64)  # int4: x quants of the high nibbles
+        xc = T.decl_buffer((NL,), "int32", align=64)  # int4: each lane's -8 * sum of its x quants
+        xd = T.decl_buffer((NL,), "float32", align=64)  # each lane's x scale
+        dx = T.decl_buffer((nb,), "float32")
+        m16 = T.decl_buffer((16,), "float32", align=64)
+        # x -> int8 blocks (serial: d_model elements, before the parallel region)
+        for b in range(nb):
+            m16[T.ramp(0, 1, 16)] = T.Broadcast(T.float32(0), 16)
+            for c in T.unroll(VX):
+                m16[T.ramp(0, 1, 16)] = T.max(m16[T.ramp(0, 1, 16)], T.fabs(x[T.ramp(b * B + c * 16, 1, 16)]))
+            dd = T.bind(T.call_llvm_pure_intrin("float32", "llvm.vector.reduce.fmax", m16[T.ramp(0, 1, 16)]) / T.float32(127))
+            dx[b] = dd
+            inv = T.bind(T.Select(dd != T.float32(0), T.float32(1) / dd, T.float32(0)))
+            for c in T.unroll(VX):
+                qv = T.bind(T.Cast("int8x16", T.round(x[T.ramp(b * B + c * 16, 1, 16)] * T.Broadcast(inv, 16))))
+                if int4 and c * 16 >= HB:
+                    xb[T.ramp(b * HB + c * 16 - HB, 1, 16)] = qv
+                else:
+                    xa[T.ramp(b * HB + c * 16, 1, 16)] = qv
+        for L in range(NL):
+            if int4:
+                xc[L] = T.int32(-8) * (T.Cast("int32", xa[4 * L]) + T.Cast("int32", xa[4 * L + 1])
+                                       + T.Cast("int32", xa[4 * L + 2]) + T.Cast("int32", xa[4 * L + 3])
+                                       + T.Cast("int32", xb[4 * L]) + T.Cast("int32", xb[4 * L + 1])
+                                       + T.Cast("int32", xb[4 * L + 2]) + T.Cast("int32", xb[4 * L + 3]))
+            xd[L] = dx[(4 * L) // HB]
+        for j in T.parallel(k):
+            acc = T.decl_buffer((16,), "float32", align=64)
+            acc[T.ramp(0, 1, 16)] = T.Broadcast(T.float32(0), 16)
+            nxt = T.bind(idx[T.min(j + 1, k - 1)])
+            for g in range(NG):
+                T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(s[nxt, g * 16]), 0, 2, 1))
+                sw = T.bind(T.Cast("float32x16", s[idx[j], T.ramp(g * 16, 1, 16)]))
+                for cc in T.unroll(CPG):
+                    T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0",
+                                                  T.address_of(w[nxt, g * GB + cc * 64]), 0, 2, 1))
+                    q = T.bind(w[idx[j], T.ramp(g * GB + cc * 64, 1, 64)])
+                    if int4:
+                        lo = T.bind(T.bitwise_and(q, T.Broadcast(T.uint8(15), 64)))
+                        hi = T.bind(T.shift_right(q, T.Broadcast(T.uint8(4), 64)))
+                        iv = T.bind(dot(isa, dot(isa, xc[T.ramp(g * GB // 4 + cc * 16, 1, 16)], lo,
+                                          xa[T.ramp(g * GB + cc * 64, 1, 64)]),
+                                 hi, xb[T.ramp(g * GB + cc * 64, 1, 64)]))
+                    else:
+                        xv = T.bind(xa[T.ramp(g * GB + cc * 64, 1, 64)])
+                        sx = T.bind(T.Select(q < T.Broadcast(T.int8(0), 64), T.Broadcast(T.int8(0), 64) - xv, xv))
+                        iv = T.bind(dot(isa, zero16, T.reinterpret("uint8x64", T.abs(q)), sx))
+                    lane_blk = T.bind(T.floordiv(T.ramp(cc * 64, 4, 16), T.Broadcast(HB, 16)))
+                    sc = T.bind(T.call_llvm_pure_intrin("float32x16", "llvm.x86.avx512.permvar.sf.512", sw, lane_blk))
+                    acc[T.ramp(0, 1, 16)] = acc[T.ramp(0, 1, 16)] + T.Cast("float32x16", iv) * (
+                        sc * xd[T.ramp(g * GB // 4 + cc * 16, 1, 16)])
+            v = T.bind(T.call_llvm_pure_intrin("float32", "llvm.vector.reduce.fadd", T.float32(0), acc[T.ramp(0, 1, 16)]))
+            h[j] = _act(act, v)
+
+    return up
