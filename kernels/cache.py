@@ -143,7 +143,7 @@ def _compile_cpu(spec: KernelSpec, out: Path, mcpu: str | None = None) -> dict[s
         name = key + ("_batch" if batched else "")
         isa = cpu_qdot.isa_for(cpu.host_target(mcpu)) if spec.quantized and not batched else None
         if cpu_qdot.applies(spec, isa):  # one token: integer dot products (VNNI / AVX512-BW)
-            funcs[name] = cpu_qdot.describe_up(spec, isa).with_attr("global_symbol", name)
+            funcs[name] = cpu_qdot.describe(spec, isa, cpu.build_cores()).with_attr("global_symbol", name)
         else:
             funcs[name] = cpu.as_named(cpu.schedule(desc, spec), name)
     mod = tvm.IRModule(funcs)

@@ -46,8 +46,16 @@ def isa_for(target: tvm.target.Target) -> str | None:
 
 def applies(spec: KernelSpec, isa: str | None) -> bool:
     """Whether the one-token kernel of ``spec`` is this module's (else the float kernels of cpu.py)."""
-    return (isa is not None and spec.quantized and not spec.is_cuda and spec.kind == "up" and not spec.has_bias
+    return (isa is not None and spec.quantized and not spec.is_cuda and spec.kind in KINDS and not spec.has_bias
             and spec.d_model % (16 * spec.block) == 0)
+
+
+KINDS: tuple[str, ...] = ("up", "ffn_gated", "ffn_relu")  # the kinds with an integer dot-product kernel
+
+
+def describe(spec: KernelSpec, isa: str, partitions: int) -> tirx.PrimFunc:
+    """This module's one-token kernel for ``spec`` (``applies``), fused kinds cut into ``partitions`` parts."""
+    return describe_up(spec, isa) if spec.kind == "up" else describe_ffn(spec, isa, partitions)
 
 
 def _dot(isa: str, acc: tirx.PrimExpr, u8: tirx.PrimExpr, s8: tirx.PrimExpr) -> tirx.PrimExpr:
@@ -67,46 +75,33 @@ def _act(act: str, v: tirx.PrimExpr) -> tirx.PrimExpr:
     return v
 
 
-def describe_up(spec: KernelSpec, isa: str) -> tirx.PrimFunc:
-    """The one-token ``up`` kernel ``h[j] = act(w[idx[j]] · x)``, arguments ``(x, w, s, idx, h)``."""
-    if not applies(spec, isa):
-        raise ValueError(f"no integer dot-product kernel for {spec}")
-    d, n, B = spec.d_model, spec.n_rows, spec.block
+def _shape(spec: KernelSpec) -> dict[str, int]:
+    d, B = spec.d_model, spec.block
     int4 = spec.weight_dtype == "int4"
-    qdt = "uint8" if int4 else "int8"
-    nb = d // B  # blocks per row
     RB = d // 2 if int4 else d  # quant bytes per row
     HB = B // 2 if int4 else B  # quant bytes per block
-    NL = RB // 4  # int32 lanes per row
-    GB = 16 * HB  # quant bytes of a 16-block group
-    CPG = GB // 64  # 64-byte chunks per group
-    NG = nb // 16
-    VX = B // 16  # 16-element vectors of x per block
-    act = spec.act
+    return {"nb": d // B, "RB": RB, "HB": HB, "NL": RB // 4, "GB": 16 * HB, "CPG": 16 * HB // 64,
+            "NG": d // B // 16, "VX": B // 16}
+
+
+def _macros(spec: KernelSpec, isa: str):  # -> (prep_x, row_dot): TVMScript macros of the two halves
+    """``prep_x``: x → its int8 quants in weight-row byte order, the int4 lane corrections and the lanes' scales;
+    ``row_dot(w, s, row, nxt, acc, out)``: ``out[0] = row · x`` (``nxt``: the row whose lines are prefetched)."""
+    d, B = spec.d_model, spec.block
+    int4 = spec.weight_dtype == "int4"
+    sh = _shape(spec)
+    nb, HB, NL, GB, CPG, NG, VX = (sh[k] for k in ("nb", "HB", "NL", "GB", "CPG", "NG", "VX"))
     dot = _dot
     zero16 = tirx.Broadcast(tirx.const(0, "int32"), 16)
 
-    @T.prim_func(check_well_formed=False)
-    def up(xh: T.handle, wh: T.handle, sh: T.handle, idxh: T.handle, hh: T.handle) -> None:
-        T.func_attr({"tirx.noalias": True})
-        k = T.int32()
-        x = T.match_buffer(xh, (d,), "float32", align=64)  # [d_model]
-        w = T.match_buffer(wh, (n, RB), qdt, align=64)  # [n_rows, quant bytes]
-        s = T.match_buffer(sh, (n, nb), "float16", align=64)  # [n_rows, blocks]
-        idx = T.match_buffer(idxh, (k,), "int32")  # [k]
-        h = T.match_buffer(hh, (k,), "float32")  # [k]
-        xa = T.decl_buffer((RB,), "int8", align=64)  # int4: x quants of the low nibbles; int8: x quants
-        xb = T.decl_buffer((RB,), "int8", align=64)  # int4: x quants of the high nibbles
-        xc = T.decl_buffer((NL,), "int32", align=64)  # int4: each lane's -8 * sum of its x quants
-        xd = T.decl_buffer((NL,), "float32", align=64)  # each lane's x scale
-        dx = T.decl_buffer((nb,), "float32")
-        m16 = T.decl_buffer((16,), "float32", align=64)
-        # x -> int8 blocks (serial: d_model elements, before the parallel region)
-        for b in range(nb):
+    @T.macro(hygienic=True)
+    def prep_x(x, xa, xb, xc, xd, dx, m16):
+        for b in range(nb):  # serial: d_model elements, before the parallel region
             m16[T.ramp(0, 1, 16)] = T.Broadcast(T.float32(0), 16)
             for c in T.unroll(VX):
                 m16[T.ramp(0, 1, 16)] = T.max(m16[T.ramp(0, 1, 16)], T.fabs(x[T.ramp(b * B + c * 16, 1, 16)]))
-            dd = T.bind(T.call_llvm_pure_intrin("float32", "llvm.vector.reduce.fmax", m16[T.ramp(0, 1, 16)]) / T.float32(127))
+            dd = T.bind(T.call_llvm_pure_intrin("float32", "llvm.vector.reduce.fmax", m16[T.ramp(0, 1, 16)])
+                        / T.float32(127))
             dx[b] = dd
             inv = T.bind(T.Select(dd != T.float32(0), T.float32(1) / dd, T.float32(0)))
             for c in T.unroll(VX):
@@ -122,32 +117,216 @@ def describe_up(spec: KernelSpec, isa: str) -> tirx.PrimFunc:
                                        + T.Cast("int32", xb[4 * L]) + T.Cast("int32", xb[4 * L + 1])
                                        + T.Cast("int32", xb[4 * L + 2]) + T.Cast("int32", xb[4 * L + 3]))
             xd[L] = dx[(4 * L) // HB]
+
+    @T.macro(hygienic=True)
+    def row_dot(w, s, xa, xb, xc, xd, row, nxt, acc, out):
+        acc[T.ramp(0, 1, 16)] = T.Broadcast(T.float32(0), 16)
+        for g in range(NG):
+            T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(s[nxt, g * 16]), 0, 2, 1))
+            sw = T.bind(T.Cast("float32x16", s[row, T.ramp(g * 16, 1, 16)]))
+            for cc in T.unroll(CPG):
+                T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0",
+                                              T.address_of(w[nxt, g * GB + cc * 64]), 0, 2, 1))
+                q = T.bind(w[row, T.ramp(g * GB + cc * 64, 1, 64)])
+                if int4:
+                    lo = T.bind(T.bitwise_and(q, T.Broadcast(T.uint8(15), 64)))
+                    hi = T.bind(T.shift_right(q, T.Broadcast(T.uint8(4), 64)))
+                    iv = T.bind(dot(isa, dot(isa, xc[T.ramp(g * GB // 4 + cc * 16, 1, 16)], lo,
+                                             xa[T.ramp(g * GB + cc * 64, 1, 64)]),
+                                    hi, xb[T.ramp(g * GB + cc * 64, 1, 64)]))
+                else:
+                    xv = T.bind(xa[T.ramp(g * GB + cc * 64, 1, 64)])
+                    sx = T.bind(T.Select(q < T.Broadcast(T.int8(0), 64), T.Broadcast(T.int8(0), 64) - xv, xv))
+                    iv = T.bind(dot(isa, zero16, T.reinterpret("uint8x64", T.abs(q)), sx))
+                lane_blk = T.bind(T.floordiv(T.ramp(cc * 64, 4, 16), T.Broadcast(HB, 16)))
+                sc = T.bind(T.call_llvm_pure_intrin("float32x16", "llvm.x86.avx512.permvar.sf.512", sw, lane_blk))
+                acc[T.ramp(0, 1, 16)] = acc[T.ramp(0, 1, 16)] + T.Cast("float32x16", iv) * (
+                    sc * xd[T.ramp(g * GB // 4 + cc * 16, 1, 16)])
+        out[0] = T.call_llvm_pure_intrin("float32", "llvm.vector.reduce.fadd", T.float32(0), acc[T.ramp(0, 1, 16)])
+
+    return prep_x, row_dot
+
+
+def describe_up(spec: KernelSpec, isa: str) -> tirx.PrimFunc:
+    """The one-token ``up`` kernel ``h[j] = act(w[idx[j]] · x)``, arguments ``(x, w, s, idx, h)``."""
+    if not applies(spec, isa) or spec.kind != "up":
+        raise ValueError(f"no integer dot-product kernel for {spec}")
+    d, n = spec.d_model, spec.n_rows
+    qdt = "uint8" if spec.weight_dtype == "int4" else "int8"
+    sh = _shape(spec)
+    nb, RB, NL = sh["nb"], sh["RB"], sh["NL"]
+    act = spec.act
+    prep_x, row_dot = _macros(spec, isa)
+
+    @T.prim_func(check_well_formed=False)
+    def up(xh: T.handle, wh: T.handle, sh_: T.handle, idxh: T.handle, hh: T.handle) -> None:
+        T.func_attr({"tirx.noalias": True})
+        k = T.int32()
+        x = T.match_buffer(xh, (d,), "float32", align=64)  # [d_model]
+        w = T.match_buffer(wh, (n, RB), qdt, align=64)  # [n_rows, quant bytes]
+        s = T.match_buffer(sh_, (n, nb), "float16", align=64)  # [n_rows, blocks]
+        idx = T.match_buffer(idxh, (k,), "int32")  # [k]
+        h = T.match_buffer(hh, (k,), "float32")  # [k]
+        xa = T.decl_buffer((RB,), "int8", align=64)  # int4: x quants of the low nibbles; int8: x quants
+        xb = T.decl_buffer((RB,), "int8", align=64)  # int4: x quants of the high nibbles
+        xc = T.decl_buffer((NL,), "int32", align=64)  # int4: each lane's -8 * sum of its x quants
+        xd = T.decl_buffer((NL,), "float32", align=64)  # each lane's x scale
+        dx = T.decl_buffer((nb,), "float32")
+        m16 = T.decl_buffer((16,), "float32", align=64)
+        prep_x(x, xa, xb, xc, xd, dx, m16)
         for j in T.parallel(k):
             acc = T.decl_buffer((16,), "float32", align=64)
-            acc[T.ramp(0, 1, 16)] = T.Broadcast(T.float32(0), 16)
-            nxt = T.bind(idx[T.min(j + 1, k - 1)])
-            for g in range(NG):
-                T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(s[nxt, g * 16]), 0, 2, 1))
-                sw = T.bind(T.Cast("float32x16", s[idx[j], T.ramp(g * 16, 1, 16)]))
-                for cc in T.unroll(CPG):
-                    T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0",
-                                                  T.address_of(w[nxt, g * GB + cc * 64]), 0, 2, 1))
-                    q = T.bind(w[idx[j], T.ramp(g * GB + cc * 64, 1, 64)])
-                    if int4:
-                        lo = T.bind(T.bitwise_and(q, T.Broadcast(T.uint8(15), 64)))
-                        hi = T.bind(T.shift_right(q, T.Broadcast(T.uint8(4), 64)))
-                        iv = T.bind(dot(isa, dot(isa, xc[T.ramp(g * GB // 4 + cc * 16, 1, 16)], lo,
-                                          xa[T.ramp(g * GB + cc * 64, 1, 64)]),
-                                 hi, xb[T.ramp(g * GB + cc * 64, 1, 64)]))
-                    else:
-                        xv = T.bind(xa[T.ramp(g * GB + cc * 64, 1, 64)])
-                        sx = T.bind(T.Select(q < T.Broadcast(T.int8(0), 64), T.Broadcast(T.int8(0), 64) - xv, xv))
-                        iv = T.bind(dot(isa, zero16, T.reinterpret("uint8x64", T.abs(q)), sx))
-                    lane_blk = T.bind(T.floordiv(T.ramp(cc * 64, 4, 16), T.Broadcast(HB, 16)))
-                    sc = T.bind(T.call_llvm_pure_intrin("float32x16", "llvm.x86.avx512.permvar.sf.512", sw, lane_blk))
-                    acc[T.ramp(0, 1, 16)] = acc[T.ramp(0, 1, 16)] + T.Cast("float32x16", iv) * (
-                        sc * xd[T.ramp(g * GB // 4 + cc * 16, 1, 16)])
-            v = T.bind(T.call_llvm_pure_intrin("float32", "llvm.vector.reduce.fadd", T.float32(0), acc[T.ramp(0, 1, 16)]))
-            h[j] = _act(act, v)
+            res = T.decl_buffer((1,), "float32")
+            row_dot(w, s, xa, xb, xc, xd, idx[j], idx[T.min(j + 1, k - 1)], acc, res)
+            h[j] = _act(act, res[0])
 
     return up
+
+
+def _down_macro(spec: KernelSpec):  # -> TVMScript macro
+    """``axpy(wd, sd, row, hv, yp, p, wp, nxt, go)``: ``yp[p] += hv * dequant(wd[row])`` (float32, as the float
+    kernels' down rows: ``q * (h * s)``), prefetching the lines of ``wd[nxt]`` and ``wp[nxt]`` when ``go``."""
+    B = spec.block
+    int4 = spec.weight_dtype == "int4"
+    sh = _shape(spec)
+    RB, HB = sh["RB"], sh["HB"]
+
+    @T.macro(hygienic=True)
+    def axpy(wd, sd, row, hv, yp, p, wp, nxt, go):
+        for c in range(RB // 64):
+            if go:
+                T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(wd[nxt, c * 64]), 0, 2, 1))
+                T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(wp[nxt, c * 64]), 0, 2, 1))
+            for t in T.unroll(4):
+                sc = T.bind(hv * T.Cast("float32", sd[row, (c * 64 + t * 16) // HB]))
+                qb = T.bind(wd[row, T.ramp(c * 64 + t * 16, 1, 16)])
+                if int4:
+                    e = T.bind(((c * 64 + t * 16) // HB) * B + (c * 64 + t * 16) % HB)
+                    yp[p, T.ramp(e, 1, 16)] = yp[p, T.ramp(e, 1, 16)] + T.Cast("float32x16", T.Cast(
+                        "int8x16", T.bitwise_and(qb, T.Broadcast(T.uint8(15), 16))) - T.Broadcast(T.int8(8), 16)) \
+                        * T.Broadcast(sc, 16)
+                    yp[p, T.ramp(e + HB, 1, 16)] = yp[p, T.ramp(e + HB, 1, 16)] + T.Cast("float32x16", T.Cast(
+                        "int8x16", T.shift_right(qb, T.Broadcast(T.uint8(4), 16))) - T.Broadcast(T.int8(8), 16)) \
+                        * T.Broadcast(sc, 16)
+                else:
+                    yp[p, T.ramp(c * 64 + t * 16, 1, 16)] = yp[p, T.ramp(c * 64 + t * 16, 1, 16)] \
+                        + T.Cast("float32x16", qb) * T.Broadcast(sc, 16)
+
+    return axpy
+
+
+def describe_ffn(spec: KernelSpec, isa: str, partitions: int) -> tirx.PrimFunc:
+    """The one-token fused FFN (``ffn_gated``: arguments ``(x, w_up, s_up, w_gate, s_gate, w_down_t, s_down, idx,
+    y)``; ``ffn_relu``: without the gate), the rows cut into ``partitions`` contiguous parts (one per core, as
+    ``compute.describe_partitioned``): per part, first the deciding dot products (gate; ffn_relu: up and h) of
+    all its rows, then for the active rows (ReLU: decider > 0; SiLU: all) the up dot product and the down row
+    into the part's ``y_part``, prefetching the next row's up row only if it is active; ``y = Σ_p y_part[p]``."""
+    if not applies(spec, isa) or spec.kind not in ("ffn_gated", "ffn_relu"):
+        raise ValueError(f"no integer dot-product kernel for {spec}")
+    d, n, P = spec.d_model, spec.n_rows, partitions
+    qdt = "uint8" if spec.weight_dtype == "int4" else "int8"
+    sh = _shape(spec)
+    nb, RB, NL = sh["nb"], sh["RB"], sh["NL"]
+    act = spec.act
+    relu = act == "relu"
+    prep_x, row_dot = _macros(spec, isa)
+    axpy = _down_macro(spec)
+
+    def active(v: tirx.PrimExpr) -> tirx.PrimExpr:
+        return tirx.Not(v <= tirx.const(0.0, "float32")) if relu else tirx.const(True, "bool")
+
+    if spec.gated:
+        @T.prim_func(check_well_formed=False)
+        def ffn(xh: T.handle, wuh: T.handle, suh: T.handle, wgh: T.handle, sgh: T.handle, wdh: T.handle,
+                sdh: T.handle, idxh: T.handle, yh: T.handle) -> None:
+            T.func_attr({"tirx.noalias": True})
+            k = T.int32()
+            x = T.match_buffer(xh, (d,), "float32", align=64)  # [d_model]
+            wu = T.match_buffer(wuh, (n, RB), qdt, align=64)  # [n_rows, quant bytes]
+            su = T.match_buffer(suh, (n, nb), "float16", align=64)  # [n_rows, blocks]
+            wg = T.match_buffer(wgh, (n, RB), qdt, align=64)
+            sg = T.match_buffer(sgh, (n, nb), "float16", align=64)
+            wd = T.match_buffer(wdh, (n, RB), qdt, align=64)
+            sd = T.match_buffer(sdh, (n, nb), "float16", align=64)
+            idx = T.match_buffer(idxh, (k,), "int32")  # [k]
+            y = T.match_buffer(yh, (d,), "float32", align=64)  # [d_model]
+            xa = T.decl_buffer((RB,), "int8", align=64)
+            xb = T.decl_buffer((RB,), "int8", align=64)
+            xc = T.decl_buffer((NL,), "int32", align=64)
+            xd = T.decl_buffer((NL,), "float32", align=64)
+            dx = T.decl_buffer((nb,), "float32")
+            m16 = T.decl_buffer((16,), "float32", align=64)
+            yp = T.decl_buffer((P, d), "float32", align=64)  # [parts, d_model]
+            gv = T.decl_buffer((k + 1,), "float32")  # [k] the gates
+            prep_x(x, xa, xb, xc, xd, dx, m16)
+            for p in T.parallel(P):
+                acc = T.decl_buffer((16,), "float32", align=64)
+                res = T.decl_buffer((1,), "float32")
+                for i in range(d // 16):
+                    yp[p, T.ramp(i * 16, 1, 16)] = T.Broadcast(T.float32(0), 16)
+                for jj in range((k + P - 1) // P):
+                    if p * ((k + P - 1) // P) + jj < k:
+                        row_dot(wg, sg, xa, xb, xc, xd, idx[p * ((k + P - 1) // P) + jj],
+                                idx[T.min(p * ((k + P - 1) // P) + jj + 1, k - 1)], acc, res)
+                        gv[p * ((k + P - 1) // P) + jj] = res[0]
+                for jj in range((k + P - 1) // P):
+                    if p * ((k + P - 1) // P) + jj < k:
+                        if active(gv[p * ((k + P - 1) // P) + jj]):
+                            row_dot(wu, su, xa, xb, xc, xd, idx[p * ((k + P - 1) // P) + jj],
+                                    idx[p * ((k + P - 1) // P) + jj], acc, res)
+                            axpy(wd, sd, idx[p * ((k + P - 1) // P) + jj],
+                                 _act(act, gv[p * ((k + P - 1) // P) + jj]) * res[0], yp, p, wu,
+                                 idx[T.min(p * ((k + P - 1) // P) + jj + 1, k - 1)],
+                                 T.And(p * ((k + P - 1) // P) + jj + 1 < k,
+                                       active(gv[p * ((k + P - 1) // P) + jj + 1])))
+            for i in range(d // 16):
+                y[T.ramp(i * 16, 1, 16)] = T.Broadcast(T.float32(0), 16)
+                for p in range(P):
+                    y[T.ramp(i * 16, 1, 16)] = y[T.ramp(i * 16, 1, 16)] + yp[p, T.ramp(i * 16, 1, 16)]
+
+        return ffn
+
+    @T.prim_func(check_well_formed=False)
+    def ffn_relu(xh: T.handle, wuh: T.handle, suh: T.handle, wdh: T.handle, sdh: T.handle, idxh: T.handle,
+                 yh: T.handle) -> None:
+        T.func_attr({"tirx.noalias": True})
+        k = T.int32()
+        x = T.match_buffer(xh, (d,), "float32", align=64)  # [d_model]
+        wu = T.match_buffer(wuh, (n, RB), qdt, align=64)  # [n_rows, quant bytes]
+        su = T.match_buffer(suh, (n, nb), "float16", align=64)  # [n_rows, blocks]
+        wd = T.match_buffer(wdh, (n, RB), qdt, align=64)
+        sd = T.match_buffer(sdh, (n, nb), "float16", align=64)
+        idx = T.match_buffer(idxh, (k,), "int32")  # [k]
+        y = T.match_buffer(yh, (d,), "float32", align=64)  # [d_model]
+        xa = T.decl_buffer((RB,), "int8", align=64)
+        xb = T.decl_buffer((RB,), "int8", align=64)
+        xc = T.decl_buffer((NL,), "int32", align=64)
+        xd = T.decl_buffer((NL,), "float32", align=64)
+        dx = T.decl_buffer((nb,), "float32")
+        m16 = T.decl_buffer((16,), "float32", align=64)
+        yp = T.decl_buffer((P, d), "float32", align=64)  # [parts, d_model]
+        hv = T.decl_buffer((k + 1,), "float32")  # [k] h
+        prep_x(x, xa, xb, xc, xd, dx, m16)
+        for p in T.parallel(P):
+            acc = T.decl_buffer((16,), "float32", align=64)
+            res = T.decl_buffer((1,), "float32")
+            for i in range(d // 16):
+                yp[p, T.ramp(i * 16, 1, 16)] = T.Broadcast(T.float32(0), 16)
+            for jj in range((k + P - 1) // P):
+                if p * ((k + P - 1) // P) + jj < k:
+                    row_dot(wu, su, xa, xb, xc, xd, idx[p * ((k + P - 1) // P) + jj],
+                            idx[T.min(p * ((k + P - 1) // P) + jj + 1, k - 1)], acc, res)
+                    hv[p * ((k + P - 1) // P) + jj] = _act(act, res[0])
+            for jj in range((k + P - 1) // P):
+                if p * ((k + P - 1) // P) + jj < k:
+                    if hv[p * ((k + P - 1) // P) + jj] != T.float32(0):
+                        axpy(wd, sd, idx[p * ((k + P - 1) // P) + jj], hv[p * ((k + P - 1) // P) + jj], yp, p,
+                             wd, idx[T.min(p * ((k + P - 1) // P) + jj + 1, k - 1)],
+                             T.And(p * ((k + P - 1) // P) + jj + 1 < k,
+                                   hv[p * ((k + P - 1) // P) + jj + 1] != T.float32(0)))
+        for i in range(d // 16):
+            y[T.ramp(i * 16, 1, 16)] = T.Broadcast(T.float32(0), 16)
+            for p in range(P):
+                y[T.ramp(i * 16, 1, 16)] = y[T.ramp(i * 16, 1, 16)] + yp[p, T.ramp(i * 16, 1, 16)]
+
+    return ffn_relu

@@ -243,3 +243,44 @@ def _host_has(flag: str) -> bool:
         return flag in Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
+
+
+QDOT_FFN_CASES = [  # kind, act, weight dtype, block, d_model, mcpu
+    ("ffn_gated", "relu", "int4", 32, 512, "icelake-server"),
+    ("ffn_gated", "silu", "int8", 32, 512, "skylake-avx512"),
+    ("ffn_relu", "relu", "int4", 64, 1024, "skylake-avx512"),
+    ("ffn_relu", "relu", "int8", 32, 512, "icelake-server"),
+]
+
+
+@pytest.mark.parametrize("case", QDOT_FFN_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_integer_dot_ffn_matches_quantized_x_reference(case: tuple, tmp_path: Path) -> None:
+    """The fused one-token FFN with integer up/gate dot products (``cpu_qdot.describe_ffn``): h from
+    ``qdot_reference`` dots (x quantized), y = h · the dequantized down rows in float64; < TOL of max |y|,
+    for k = 1, a third and all rows (short last part, skipped inactive rows)."""
+    import json
+
+    from picompile.kernels.qformat import qdot_reference
+
+    kind, act, wdt, block, d, mcpu = case
+    if not _host_has("avx512bw" if mcpu == "skylake-avx512" else "avx512_vnni"):
+        pytest.skip(f"this CPU cannot run {mcpu} code")
+    n = 41
+    spec = KernelSpec(kind, act, d, n, wdt, False, "llvm", block=block)
+    kern = load_kernel(build_kernel(spec, tmp_path, mcpu=mcpu), spec)
+    assert json.loads((tmp_path / f"{spec.key()}.json").read_text())["qdot"] in ("vnni", "avx512bw")
+    gen = torch.Generator().manual_seed(d + block)
+    (qu, su, _), (qg, sg, _), (qd, sd, wd) = (_quantized(spec, gen) for _ in range(3))
+    x = as_aligned(torch.randn(d, generator=gen))
+    for k in (1, n // 3, n):
+        idx = as_aligned(torch.randperm(n, generator=gen)[:k].to(torch.int32))
+        rows = idx.long()
+        u = qdot_reference(x, qu, su)[rows]
+        h = _act(act, qdot_reference(x, qg, sg)[rows]) * u if spec.gated else _act(act, u)
+        ref = h @ wd[rows]
+        y = aligned_empty(d)
+        named = {"x": x, "w_up": qu, "s_up": su, "w_gate": qg if spec.gated else None,
+                 "s_gate": sg if spec.gated else None, "b_up": None, "w_down_t": qd, "s_down": sd, "idx": idx, "y": y}
+        kern(*(named[a] for a in call_args(spec)))
+        err = float((y.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+        assert err < TOL, f"k={k}: relative error {err:.2e}"
