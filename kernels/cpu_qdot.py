@@ -51,6 +51,7 @@ def applies(spec: KernelSpec, isa: str | None) -> bool:
 
 
 KINDS: tuple[str, ...] = ("up", "ffn_gated", "ffn_relu")  # the kinds with an integer dot-product kernel
+AHEAD: int = 2  # fused FFN: the deciding rows prefetched this many rows ahead
 
 
 def describe(spec: KernelSpec, isa: str, partitions: int) -> tirx.PrimFunc:
@@ -267,7 +268,7 @@ def describe_ffn(spec: KernelSpec, isa: str, partitions: int) -> tirx.PrimFunc:
                 for jj in range((k + P - 1) // P):
                     if p * ((k + P - 1) // P) + jj < k:
                         row_dot(wg, sg, xa, xb, xc, xd, idx[p * ((k + P - 1) // P) + jj],
-                                idx[T.min(p * ((k + P - 1) // P) + jj + 1, k - 1)], acc, res)
+                                idx[T.min(p * ((k + P - 1) // P) + jj + AHEAD, k - 1)], acc, res)
                         gv[p * ((k + P - 1) // P) + jj] = res[0]
                 for jj in range((k + P - 1) // P):
                     if p * ((k + P - 1) // P) + jj < k:
@@ -315,7 +316,7 @@ def describe_ffn(spec: KernelSpec, isa: str, partitions: int) -> tirx.PrimFunc:
             for jj in range((k + P - 1) // P):
                 if p * ((k + P - 1) // P) + jj < k:
                     row_dot(wu, su, xa, xb, xc, xd, idx[p * ((k + P - 1) // P) + jj],
-                            idx[T.min(p * ((k + P - 1) // P) + jj + 1, k - 1)], acc, res)
+                            idx[T.min(p * ((k + P - 1) // P) + jj + AHEAD, k - 1)], acc, res)
                     hv[p * ((k + P - 1) // P) + jj] = _act(act, res[0])
             for jj in range((k + P - 1) // P):
                 if p * ((k + P - 1) // P) + jj < k:
