@@ -284,3 +284,18 @@ def test_integer_dot_ffn_matches_quantized_x_reference(case: tuple, tmp_path: Pa
         kern(*(named[a] for a in call_args(spec)))
         err = float((y.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
         assert err < TOL, f"k={k}: relative error {err:.2e}"
+
+
+def test_integer_dot_can_be_turned_off(tmp_path: Path) -> None:
+    """``build_kernel(..., integer_dot=False)`` (benchmarks' A/B) keeps the float path: exact dequantized maths."""
+    import json
+
+    spec = KernelSpec("up", "none", 512, 9, "int4", False, "llvm")
+    kern = load_kernel(build_kernel(spec, tmp_path, integer_dot=False), spec)
+    assert json.loads((tmp_path / f"{spec.key()}.json").read_text())["qdot"] is None
+    gen = torch.Generator().manual_seed(3)
+    q, s, w = _quantized(spec, gen)
+    x, idx, h = as_aligned(torch.randn(512, generator=gen)), as_aligned(torch.arange(9, dtype=torch.int32)), aligned_empty(9)
+    kern(x, q, s, None, None, None, idx, h)
+    ref = x.double() @ w.T
+    assert float((h.double() - ref).abs().max() / ref.abs().max()) < TOL
