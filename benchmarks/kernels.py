@@ -3,12 +3,15 @@
     python benchmarks/kernels.py [--d-model 4096] [--n-rows 16384] [--dtype float32] [--kind ffn_relu]
     python benchmarks/kernels.py --kind up [--d-model 2048] [--n-rows 5632] [--dtype float16]
     python benchmarks/kernels.py --formats float16,int8,int4 [--kind ffn_gated] [--d-model 2048] [--n-rows 5632]
+    python benchmarks/kernels.py --formats int4,int4-float,int8,int8-float --kind up --d-model 2048 --n-rows 2048
 
 ``--formats``: each weight format's kernel of ``--kind`` (``ffn_gated`` act silu / ``ffn_relu`` relu / ``up`` /
 ``down``: every selected row is read) at k = 1, 5, 10, 25, 100 % of the rows, the weights rotated over layer copies
 totalling ``--rotate-mib`` per format (every call reads DRAM), against the **read** bandwidth (torch ``sum`` over
 ``--copy-mib``) measured in the same interleaved rounds: GB/s of weight bytes read (quants + scales) and their
-share of the read bandwidth.
+share of the read bandwidth. ``int4-float`` / ``int8-float``: the same format built without the integer dot
+products (``build_kernel(..., integer_dot=False)``, the float path), measured in the same rounds: the A/B of
+``kernels/cpu_qdot.py``.
 
 ``--kind up`` measures the dense GEMV instead (kind ``up``, act ``none``, idx = all rows: how every
 linear layer of a model runs), against torch's float32 ``F.linear`` and the copy bandwidth, with
@@ -271,11 +274,13 @@ def formats_table(args: argparse.Namespace) -> None:
     gen = torch.Generator().manual_seed(0)
     kernels, layers, row_bytes = {}, {}, {}
     for fmt in formats:
-        spec = KernelSpec(kind, _ACTS[kind], d, n, fmt, False, "llvm", block=args.block)
+        base, float_path = fmt.removesuffix("-float"), fmt.endswith("-float")  # int4-float: without cpu_qdot
+        spec = KernelSpec(kind, _ACTS[kind], d, n, base, False, "llvm", block=args.block)
         t0 = time.perf_counter()
-        kernels[fmt] = load_kernel(build_kernel(spec, args.cache_dir), spec)
-        row_bytes[fmt] = QFormat(fmt, args.block).bytes_per_row(d) if spec.quantized else \
-            d * torch.empty((), dtype=getattr(torch, fmt)).element_size()
+        cache = args.cache_dir / "float-path" if float_path else args.cache_dir
+        kernels[fmt] = load_kernel(build_kernel(spec, cache, integer_dot=not float_path), spec)
+        row_bytes[fmt] = QFormat(base, args.block).bytes_per_row(d) if spec.quantized else \
+            d * torch.empty((), dtype=getattr(torch, base)).element_size()
         mats = 3 if spec.gated else 2 if spec.has_up and spec.has_down else 1
         count = max(2, -(-args.rotate_mib * 2**20 // (mats * n * row_bytes[fmt])))
         first = _layer_args(spec, gen)  # the copies hold the same values at other addresses

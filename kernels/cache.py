@@ -40,7 +40,7 @@ def _locked(lock_path: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _expected_meta(spec: KernelSpec, mcpu: str | None = None) -> dict[str, Any]:
+def _expected_meta(spec: KernelSpec, mcpu: str | None = None, integer_dot: bool = True) -> dict[str, Any]:
     """Fields a cached entry must match (computed with TVM imported: the build path only)."""
     import tvm
 
@@ -59,6 +59,11 @@ def _expected_meta(spec: KernelSpec, mcpu: str | None = None) -> dict[str, Any]:
 
         meta["compile_target"] = str(host_target(mcpu))
         meta["cores"] = build_cores()  # the y-chunking is sized for this many cores
+        if spec.quantized:  # integer dot products where the target has them (cpu_qdot.py)
+            from . import cpu_qdot
+
+            isa = cpu_qdot.isa_for(host_target(mcpu)) if integer_dot else None
+            meta["qdot"] = isa if cpu_qdot.applies(spec, isa) else None
     return meta
 
 
@@ -80,11 +85,13 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def build_kernel(spec: KernelSpec, cache_dir: Path, mcpu: str | None = None) -> Path:
+def build_kernel(spec: KernelSpec, cache_dir: Path, mcpu: str | None = None, integer_dot: bool = True) -> Path:
     """Compile ``spec`` (or reuse ``cache_dir/<key>.so``) and return the library path.
 
     ``mcpu``: the LLVM CPU a CPU kernel is built for (default: this machine's); an entry built for another
     CPU is rebuilt (the cache holds one build per key: keep other CPUs' builds in a cache of their own).
+    ``integer_dot=False``: quantized kernels keep the float path even where ``cpu_qdot`` applies (for A/Bs; the
+    same key, so keep such builds in a cache of their own too).
 
     The library exports ``<key>`` (decode, x ``[d_model]``) and, on the CPU, ``<key>_batch``
     (x ``[t, d_model]``). Load it with ``load_kernel(path, spec)``.
@@ -95,7 +102,7 @@ def build_kernel(spec: KernelSpec, cache_dir: Path, mcpu: str | None = None) -> 
     key = spec.key()
     lib_path = cache_dir / f"{key}.so"
     meta_path = cache_dir / f"{key}.json"
-    expected = _expected_meta(spec, mcpu)
+    expected = _expected_meta(spec, mcpu, integer_dot)
     if _cache_hit(lib_path, meta_path, expected):
         return lib_path
     with _locked(cache_dir / f"{key}.lock"):
@@ -108,7 +115,7 @@ def build_kernel(spec: KernelSpec, cache_dir: Path, mcpu: str | None = None) -> 
 
             extra = compile_cuda(spec, tmp_lib, cache_dir)
         else:
-            extra = _compile_cpu(spec, tmp_lib, mcpu)
+            extra = _compile_cpu(spec, tmp_lib, mcpu, integer_dot)
         os.replace(tmp_lib, lib_path)
         meta = {**expected, **extra, "build_seconds": round(time.perf_counter() - t0, 3), "built_at": time.time()}
         _atomic_write_text(meta_path, json.dumps(meta, indent=1, sort_keys=True))
@@ -116,11 +123,11 @@ def build_kernel(spec: KernelSpec, cache_dir: Path, mcpu: str | None = None) -> 
     return lib_path
 
 
-def _compile_cpu(spec: KernelSpec, out: Path, mcpu: str | None = None) -> dict[str, Any]:
+def _compile_cpu(spec: KernelSpec, out: Path, mcpu: str | None = None, integer_dot: bool = True) -> dict[str, Any]:
     """Decode (+ batched, except kind ``predict``: one token only) PrimFuncs → one LLVM module → ``out`` (.so)."""
     import tvm
 
-    from . import cpu
+    from . import cpu, cpu_qdot
     from .compute import describe, describe_partitioned, describe_predict
 
     key = spec.key()
@@ -136,7 +143,11 @@ def _compile_cpu(spec: KernelSpec, out: Path, mcpu: str | None = None) -> dict[s
         if not batched:
             arg_names = desc.arg_names
         name = key + ("_batch" if batched else "")
-        funcs[name] = cpu.as_named(cpu.schedule(desc, spec), name)
+        isa = cpu_qdot.isa_for(cpu.host_target(mcpu)) if spec.quantized and not batched and integer_dot else None
+        if cpu_qdot.applies(spec, isa):  # one token: integer dot products (VNNI / AVX512-BW)
+            funcs[name] = cpu_qdot.describe(spec, isa, cpu.build_cores()).with_attr("global_symbol", name)
+        else:
+            funcs[name] = cpu.as_named(cpu.schedule(desc, spec), name)
     mod = tvm.IRModule(funcs)
     lib = tvm.compile(mod, target=cpu.host_target(mcpu))
     lib.export_library(str(out))

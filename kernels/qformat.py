@@ -108,3 +108,23 @@ def dequantize(q: Tensor, s: Tensor, dtype: torch.dtype = torch.float32) -> Tens
     rows, cols = vals.shape
     w = vals.reshape(rows, cols // fmt.block, fmt.block) * s.float()[..., None]
     return w.reshape(rows, cols).to(dtype)
+
+
+def quantize_x(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
+    """An activation ``x`` [d] → (int8 quants [d], float32 scales [d / block]) as the integer dot-product kernels
+    quantize it (``cpu_qdot.py``): ``dx = max|x| / 127`` per block, ``xq = round_half_even(x * (1 / dx))``."""
+    xb = x.float().reshape(-1, block)  # [n_blocks, block]
+    dx = xb.abs().amax(-1) / 127.0  # [n_blocks]
+    inv = torch.where(dx != 0, 1.0 / torch.where(dx != 0, dx, 1.0), 0.0)
+    return torch.round(xb * inv[:, None]).to(torch.int8).reshape(-1), dx
+
+
+def qdot_reference(x: Tensor, q: Tensor, s: Tensor) -> Tensor:
+    """``(q, s) · x`` [rows] in float64 with ``x`` quantized as ``quantize_x`` does (the maths of the integer
+    kernels): per block the exact integer dot of the weight's and x's quants, times ``s * dx``."""
+    fmt = format_of(q, s)
+    xq, dx = quantize_x(x, fmt.block)
+    ints = q.long() if fmt.name == "int8" else unpack_int4(q, fmt.block).long() - 8  # [rows, cols]
+    rows, cols = ints.shape
+    blk = (ints.reshape(rows, cols // fmt.block, fmt.block) * xq.long().reshape(1, -1, fmt.block)).sum(-1)
+    return (blk.double() * s.double() * dx.double()[None]).sum(-1)

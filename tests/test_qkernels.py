@@ -186,3 +186,116 @@ def test_quantized_cuda_kernel_matches_reference(case: tuple, cache_dir: Path) -
         assert not torch.isnan(out).any()
         err = float((out.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
         assert err < TOL, f"k={k}: relative error {err:.2e}"
+
+
+QDOT_CASES = [  # weight dtype, block, d_model, mcpu (LLVM CPU: which integer dot products it has), expected isa
+    ("int4", 32, 512, "icelake-server", "vnni"),
+    ("int8", 32, 512, "icelake-server", "vnni"),
+    ("int4", 32, 1024, "skylake-avx512", "avx512bw"),
+    ("int8", 64, 1024, "skylake-avx512", "avx512bw"),
+    ("int4", 64, 1024, None, None),  # this machine's CPU: whichever it has (AVX-512 hosts: one of the two)
+    ("int4", 32, 512, "x86-64-v3", "float"),  # AVX2 only: the float kernel (exact dequantized maths)
+]
+
+
+@pytest.mark.parametrize("case", QDOT_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_integer_dot_gemv_matches_quantized_x_reference(case: tuple, tmp_path: Path) -> None:
+    """Kind ``up`` with d_model a multiple of 16 blocks: integer dot products (``kernels/cpu_qdot.py``) where the
+    target has VNNI or AVX512-BW, chosen from the LLVM CPU's features at build time (both built and run here: this
+    machine kind has VNNI, so either runs). Against ``qdot_reference`` (x quantized to int8 blocks, exact integer
+    block dots, float64): max abs error / max abs reference < TOL; against the float maths within x's rounding."""
+    import json
+
+    from picompile.kernels import cpu_qdot
+    from picompile.kernels.qformat import qdot_reference
+
+    wdt, block, d, mcpu, isa = case
+    if mcpu and mcpu != "x86-64-v3" and not _host_has("avx512bw" if isa == "avx512bw" else "avx512_vnni"):
+        pytest.skip(f"this CPU cannot run {isa} code")
+    spec = KernelSpec("up", "none", d, 37, wdt, False, "llvm", block=block)
+    gen = torch.Generator().manual_seed(block + d)
+    q, s, w = _quantized(spec, gen)
+    x = torch.randn(d, generator=gen)
+    x[block : 2 * block] = 0.0  # an all-zero block of x (its scale 0)
+    x = as_aligned(x)
+    idx = as_aligned(torch.tensor([36, 0, 5, 17, 3, 35, 1], dtype=torch.int32))
+    h = aligned_empty(idx.numel())
+    load_kernel(build_kernel(spec, tmp_path, mcpu=mcpu), spec)(x, q, s, None, None, None, idx, h)
+    built = json.loads((tmp_path / f"{spec.key()}.json").read_text()).get("qdot")
+    expected = None if isa == "float" else isa
+    if isa is None:
+        import tvm
+
+        expected = cpu_qdot.isa_for(tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu()}))
+    assert built == expected
+    rows = idx.long()
+    flt = x.double() @ w[rows].T
+    if built is None:  # the float kernel: exact dequantized maths
+        assert float((h.double() - flt).abs().max() / flt.abs().max()) < TOL
+        return
+    ref = qdot_reference(x, q, s)[rows]
+    assert float((h.double() - ref).abs().max() / ref.abs().max()) < TOL
+    assert float((h.double() - flt).abs().max() / flt.abs().max()) < 2e-2  # x's int8 rounding (~5e-3 measured)
+
+
+def _host_has(flag: str) -> bool:
+    try:
+        return flag in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+QDOT_FFN_CASES = [  # kind, act, weight dtype, block, d_model, mcpu
+    ("ffn_gated", "relu", "int4", 32, 512, "icelake-server"),
+    ("ffn_gated", "silu", "int8", 32, 512, "skylake-avx512"),
+    ("ffn_relu", "relu", "int4", 64, 1024, "skylake-avx512"),
+    ("ffn_relu", "relu", "int8", 32, 512, "icelake-server"),
+]
+
+
+@pytest.mark.parametrize("case", QDOT_FFN_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_integer_dot_ffn_matches_quantized_x_reference(case: tuple, tmp_path: Path) -> None:
+    """The fused one-token FFN with integer up/gate dot products (``cpu_qdot.describe_ffn``): h from
+    ``qdot_reference`` dots (x quantized), y = h · the dequantized down rows in float64; < TOL of max |y|,
+    for k = 1, a third and all rows (short last part, skipped inactive rows)."""
+    import json
+
+    from picompile.kernels.qformat import qdot_reference
+
+    kind, act, wdt, block, d, mcpu = case
+    if not _host_has("avx512bw" if mcpu == "skylake-avx512" else "avx512_vnni"):
+        pytest.skip(f"this CPU cannot run {mcpu} code")
+    n = 41
+    spec = KernelSpec(kind, act, d, n, wdt, False, "llvm", block=block)
+    kern = load_kernel(build_kernel(spec, tmp_path, mcpu=mcpu), spec)
+    assert json.loads((tmp_path / f"{spec.key()}.json").read_text())["qdot"] in ("vnni", "avx512bw")
+    gen = torch.Generator().manual_seed(d + block)
+    (qu, su, _), (qg, sg, _), (qd, sd, wd) = (_quantized(spec, gen) for _ in range(3))
+    x = as_aligned(torch.randn(d, generator=gen))
+    for k in (1, n // 3, n):
+        idx = as_aligned(torch.randperm(n, generator=gen)[:k].to(torch.int32))
+        rows = idx.long()
+        u = qdot_reference(x, qu, su)[rows]
+        h = _act(act, qdot_reference(x, qg, sg)[rows]) * u if spec.gated else _act(act, u)
+        ref = h @ wd[rows]
+        y = aligned_empty(d)
+        named = {"x": x, "w_up": qu, "s_up": su, "w_gate": qg if spec.gated else None,
+                 "s_gate": sg if spec.gated else None, "b_up": None, "w_down_t": qd, "s_down": sd, "idx": idx, "y": y}
+        kern(*(named[a] for a in call_args(spec)))
+        err = float((y.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+        assert err < TOL, f"k={k}: relative error {err:.2e}"
+
+
+def test_integer_dot_can_be_turned_off(tmp_path: Path) -> None:
+    """``build_kernel(..., integer_dot=False)`` (benchmarks' A/B) keeps the float path: exact dequantized maths."""
+    import json
+
+    spec = KernelSpec("up", "none", 512, 9, "int4", False, "llvm")
+    kern = load_kernel(build_kernel(spec, tmp_path, integer_dot=False), spec)
+    assert json.loads((tmp_path / f"{spec.key()}.json").read_text())["qdot"] is None
+    gen = torch.Generator().manual_seed(3)
+    q, s, w = _quantized(spec, gen)
+    x, idx, h = as_aligned(torch.randn(512, generator=gen)), as_aligned(torch.arange(9, dtype=torch.int32)), aligned_empty(9)
+    kern(x, q, s, None, None, None, idx, h)
+    ref = x.double() @ w.T
+    assert float((h.double() - ref).abs().max() / ref.abs().max()) < TOL

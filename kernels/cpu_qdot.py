@@ -1,0 +1,333 @@
+"""Quantized CPU dot products with integer multiply-adds (llama.cpp's ``vec_dot_q4_0_q8_0`` / ``q8_0_q8_0``).
+
+Kind ``up`` (one token, no bias: the dense GEMV of every quantized linear layer, and the sparse up part), int8 /
+int4 weights (``qformat.py``): the kernel first quantizes ``x`` once per call to int8 blocks of the weight's block
+size (``dx = max|x| / 127``, ``xq = round_half_even(x / dx)``; ``qx_reference`` below is the torch twin), then each
+row's dot product is integer: per 64-byte chunk of quants one (int8) or two (int4: low and high nibbles) u8 × s8
+→ i32 multiply-adds of 64 byte pairs, then one float multiply-add per 16 int32 lanes by ``s_w[block] * dx[block]``.
+
+* int4: the nibbles are unsigned (0..15) and are the u8 operand as they are; the ``- 8`` is folded into the int32
+  accumulator's start value ``-8 * Σ xq`` over the lane's 8 elements (computed with ``x``'s quantization). ``x``'s
+  quants are stored in the byte order of the weight row (``xlo[p]`` / ``xhi[p]``: the elements of the low / high
+  nibble of byte ``p``), so a chunk of quants and a chunk of ``x`` pair byte for byte, no shuffle.
+* int8: signed × signed, by llama.cpp's sign transfer: ``|w|`` (u8) × ``sign(w) · xq`` (s8).
+* lane → block: int32 lane ``l`` of chunk ``c`` sums bytes ``64c + 4l …+3``, all of one block; its scale is the
+  block's float16 weight scale (16 of them widened at once, ``vcvtph2ps``, then one ``vpermps`` per chunk puts each
+  on its lanes) times the lane's ``dx``.
+* ISA (``isa_for``, from the LLVM target's features at build time): ``vnni`` (AVX512-VNNI ``vpdpbusd``; AMD Zen 4,
+  Intel Ice Lake and later, AMX machines too), ``avx512bw`` (``vpmaddubsw`` + ``vpmaddwd``: the same sums, int16
+  pairs cannot saturate: 2 · 15 · 127 and 2 · 128 · 127 < 32768), else ``None``: the float kernels of
+  ``compute.py`` / ``cpu.py`` (AVX2, generic LLVM, odd shapes).
+* shape condition: ``d_model`` a multiple of 16 blocks (``16 * block``: 512 at block 32), so the scales of a
+  16-block group are one 32-byte load; other shapes take the float kernel.
+
+The maths differ from the float kernels by ``x``'s quantization (as llama.cpp's): compared against
+``qx_reference`` (the same quantized maths in torch, float64) to float32 rounding.
+"""
+from __future__ import annotations
+
+import tvm
+from tvm import tirx
+from tvm.script import tirx as T
+
+from .spec import KernelSpec
+
+ISAS: tuple[str, ...] = ("vnni", "avx512bw")
+
+
+def isa_for(target: tvm.target.Target) -> str | None:
+    """The integer dot-product instructions the LLVM ``target`` has: "vnni", "avx512bw", or None."""
+    from tvm.target import codegen
+
+    if not codegen.llvm_cpu_has_features(["avx512bw", "avx512f"], target):
+        return None
+    return "vnni" if codegen.llvm_cpu_has_features(["avx512vnni"], target) else "avx512bw"
+
+
+def applies(spec: KernelSpec, isa: str | None) -> bool:
+    """Whether the one-token kernel of ``spec`` is this module's (else the float kernels of cpu.py)."""
+    return (isa is not None and spec.quantized and not spec.is_cuda and spec.kind in KINDS and not spec.has_bias
+            and spec.d_model % (16 * spec.block) == 0)
+
+
+KINDS: tuple[str, ...] = ("up", "ffn_gated", "ffn_relu")  # the kinds with an integer dot-product kernel
+AHEAD: int = 2  # fused FFN: the deciding rows prefetched this many rows ahead
+
+
+def describe(spec: KernelSpec, isa: str, partitions: int) -> tirx.PrimFunc:
+    """This module's one-token kernel for ``spec`` (``applies``), fused kinds cut into ``partitions`` parts."""
+    return describe_up(spec, isa) if spec.kind == "up" else describe_ffn(spec, isa, partitions)
+
+
+def _dot(isa: str, acc: tirx.PrimExpr, u8: tirx.PrimExpr, s8: tirx.PrimExpr) -> tirx.PrimExpr:
+    """``acc[l] + Σ_{t<4} u8[4l+t] · s8[4l+t]`` over 16 int32 lanes."""
+    if isa == "vnni":
+        return tirx.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.vpdpbusd.512", acc, u8, s8)
+    pairs = tirx.call_llvm_pure_intrin("int16x32", "llvm.x86.avx512.pmaddubs.w.512", u8, s8)
+    ones = tirx.Broadcast(tirx.const(1, "int16"), 32)
+    return acc + tirx.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.pmaddw.d.512", pairs, ones)
+
+
+def _act(act: str, v: tirx.PrimExpr) -> tirx.PrimExpr:
+    if act == "relu":
+        return tirx.max(v, tirx.const(0.0, "float32"))
+    if act == "silu":
+        return v * tirx.sigmoid(v)
+    return v
+
+
+def _shape(spec: KernelSpec) -> dict[str, int]:
+    d, B = spec.d_model, spec.block
+    int4 = spec.weight_dtype == "int4"
+    RB = d // 2 if int4 else d  # quant bytes per row
+    HB = B // 2 if int4 else B  # quant bytes per block
+    return {"nb": d // B, "RB": RB, "HB": HB, "NL": RB // 4, "GB": 16 * HB, "CPG": 16 * HB // 64,
+            "NG": d // B // 16, "VX": B // 16}
+
+
+def _macros(spec: KernelSpec, isa: str):  # -> (prep_x, row_dot): TVMScript macros of the two halves
+    """``prep_x``: x → its int8 quants in weight-row byte order, the int4 lane corrections and the lanes' scales;
+    ``row_dot(w, s, row, nxt, acc, out)``: ``out[0] = row · x`` (``nxt``: the row whose lines are prefetched)."""
+    d, B = spec.d_model, spec.block
+    int4 = spec.weight_dtype == "int4"
+    sh = _shape(spec)
+    nb, HB, NL, GB, CPG, NG, VX = (sh[k] for k in ("nb", "HB", "NL", "GB", "CPG", "NG", "VX"))
+    dot = _dot
+    zero16 = tirx.Broadcast(tirx.const(0, "int32"), 16)
+
+    @T.macro(hygienic=True)
+    def prep_x(x, xa, xb, xc, xd, dx, m16):
+        for b in range(nb):  # serial: d_model elements, before the parallel region
+            m16[T.ramp(0, 1, 16)] = T.Broadcast(T.float32(0), 16)
+            for c in T.unroll(VX):
+                m16[T.ramp(0, 1, 16)] = T.max(m16[T.ramp(0, 1, 16)], T.fabs(x[T.ramp(b * B + c * 16, 1, 16)]))
+            dd = T.bind(T.call_llvm_pure_intrin("float32", "llvm.vector.reduce.fmax", m16[T.ramp(0, 1, 16)])
+                        / T.float32(127))
+            dx[b] = dd
+            inv = T.bind(T.Select(dd != T.float32(0), T.float32(1) / dd, T.float32(0)))
+            for c in T.unroll(VX):
+                qv = T.bind(T.Cast("int8x16", T.round(x[T.ramp(b * B + c * 16, 1, 16)] * T.Broadcast(inv, 16))))
+                if int4 and c * 16 >= HB:
+                    xb[T.ramp(b * HB + c * 16 - HB, 1, 16)] = qv
+                else:
+                    xa[T.ramp(b * HB + c * 16, 1, 16)] = qv
+        for L in range(NL):
+            if int4:
+                xc[L] = T.int32(-8) * (T.Cast("int32", xa[4 * L]) + T.Cast("int32", xa[4 * L + 1])
+                                       + T.Cast("int32", xa[4 * L + 2]) + T.Cast("int32", xa[4 * L + 3])
+                                       + T.Cast("int32", xb[4 * L]) + T.Cast("int32", xb[4 * L + 1])
+                                       + T.Cast("int32", xb[4 * L + 2]) + T.Cast("int32", xb[4 * L + 3]))
+            xd[L] = dx[(4 * L) // HB]
+
+    @T.macro(hygienic=True)
+    def row_dot(w, s, xa, xb, xc, xd, row, nxt, acc, out):
+        acc[T.ramp(0, 1, 16)] = T.Broadcast(T.float32(0), 16)
+        for g in range(NG):
+            T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(s[nxt, g * 16]), 0, 2, 1))
+            sw = T.bind(T.Cast("float32x16", s[row, T.ramp(g * 16, 1, 16)]))
+            for cc in T.unroll(CPG):
+                T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0",
+                                              T.address_of(w[nxt, g * GB + cc * 64]), 0, 2, 1))
+                q = T.bind(w[row, T.ramp(g * GB + cc * 64, 1, 64)])
+                if int4:
+                    lo = T.bind(T.bitwise_and(q, T.Broadcast(T.uint8(15), 64)))
+                    hi = T.bind(T.shift_right(q, T.Broadcast(T.uint8(4), 64)))
+                    iv = T.bind(dot(isa, dot(isa, xc[T.ramp(g * GB // 4 + cc * 16, 1, 16)], lo,
+                                             xa[T.ramp(g * GB + cc * 64, 1, 64)]),
+                                    hi, xb[T.ramp(g * GB + cc * 64, 1, 64)]))
+                else:
+                    xv = T.bind(xa[T.ramp(g * GB + cc * 64, 1, 64)])
+                    sx = T.bind(T.Select(q < T.Broadcast(T.int8(0), 64), T.Broadcast(T.int8(0), 64) - xv, xv))
+                    iv = T.bind(dot(isa, zero16, T.reinterpret("uint8x64", T.abs(q)), sx))
+                lane_blk = T.bind(T.floordiv(T.ramp(cc * 64, 4, 16), T.Broadcast(HB, 16)))
+                sc = T.bind(T.call_llvm_pure_intrin("float32x16", "llvm.x86.avx512.permvar.sf.512", sw, lane_blk))
+                acc[T.ramp(0, 1, 16)] = acc[T.ramp(0, 1, 16)] + T.Cast("float32x16", iv) * (
+                    sc * xd[T.ramp(g * GB // 4 + cc * 16, 1, 16)])
+        out[0] = T.call_llvm_pure_intrin("float32", "llvm.vector.reduce.fadd", T.float32(0), acc[T.ramp(0, 1, 16)])
+
+    return prep_x, row_dot
+
+
+def describe_up(spec: KernelSpec, isa: str) -> tirx.PrimFunc:
+    """The one-token ``up`` kernel ``h[j] = act(w[idx[j]] · x)``, arguments ``(x, w, s, idx, h)``."""
+    if not applies(spec, isa) or spec.kind != "up":
+        raise ValueError(f"no integer dot-product kernel for {spec}")
+    d, n = spec.d_model, spec.n_rows
+    qdt = "uint8" if spec.weight_dtype == "int4" else "int8"
+    sh = _shape(spec)
+    nb, RB, NL = sh["nb"], sh["RB"], sh["NL"]
+    act = spec.act
+    prep_x, row_dot = _macros(spec, isa)
+
+    @T.prim_func(check_well_formed=False)
+    def up(xh: T.handle, wh: T.handle, sh_: T.handle, idxh: T.handle, hh: T.handle) -> None:
+        T.func_attr({"tirx.noalias": True})
+        k = T.int32()
+        x = T.match_buffer(xh, (d,), "float32", align=64)  # [d_model]
+        w = T.match_buffer(wh, (n, RB), qdt, align=64)  # [n_rows, quant bytes]
+        s = T.match_buffer(sh_, (n, nb), "float16", align=64)  # [n_rows, blocks]
+        idx = T.match_buffer(idxh, (k,), "int32")  # [k]
+        h = T.match_buffer(hh, (k,), "float32")  # [k]
+        xa = T.decl_buffer((RB,), "int8", align=64)  # int4: x quants of the low nibbles; int8: x quants
+        xb = T.decl_buffer((RB,), "int8", align=64)  # int4: x quants of the high nibbles
+        xc = T.decl_buffer((NL,), "int32", align=64)  # int4: each lane's -8 * sum of its x quants
+        xd = T.decl_buffer((NL,), "float32", align=64)  # each lane's x scale
+        dx = T.decl_buffer((nb,), "float32")
+        m16 = T.decl_buffer((16,), "float32", align=64)
+        prep_x(x, xa, xb, xc, xd, dx, m16)
+        for j in T.parallel(k):
+            acc = T.decl_buffer((16,), "float32", align=64)
+            res = T.decl_buffer((1,), "float32")
+            row_dot(w, s, xa, xb, xc, xd, idx[j], idx[T.min(j + 1, k - 1)], acc, res)
+            h[j] = _act(act, res[0])
+
+    return up
+
+
+def _down_macro(spec: KernelSpec):  # -> TVMScript macro
+    """``axpy(wd, sd, row, hv, yp, p, wp, nxt, go)``: ``yp[p] += hv * dequant(wd[row])`` (float32, as the float
+    kernels' down rows: ``q * (h * s)``), prefetching the lines of ``wd[nxt]`` and ``wp[nxt]`` when ``go``."""
+    B = spec.block
+    int4 = spec.weight_dtype == "int4"
+    sh = _shape(spec)
+    RB, HB = sh["RB"], sh["HB"]
+
+    @T.macro(hygienic=True)
+    def axpy(wd, sd, row, hv, yp, p, wp, nxt, go):
+        for c in range(RB // 64):
+            if go:
+                T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(wd[nxt, c * 64]), 0, 2, 1))
+                T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(wp[nxt, c * 64]), 0, 2, 1))
+            for t in T.unroll(4):
+                sc = T.bind(hv * T.Cast("float32", sd[row, (c * 64 + t * 16) // HB]))
+                qb = T.bind(wd[row, T.ramp(c * 64 + t * 16, 1, 16)])
+                if int4:
+                    e = T.bind(((c * 64 + t * 16) // HB) * B + (c * 64 + t * 16) % HB)
+                    yp[p, T.ramp(e, 1, 16)] = yp[p, T.ramp(e, 1, 16)] + T.Cast("float32x16", T.Cast(
+                        "int8x16", T.bitwise_and(qb, T.Broadcast(T.uint8(15), 16))) - T.Broadcast(T.int8(8), 16)) \
+                        * T.Broadcast(sc, 16)
+                    yp[p, T.ramp(e + HB, 1, 16)] = yp[p, T.ramp(e + HB, 1, 16)] + T.Cast("float32x16", T.Cast(
+                        "int8x16", T.shift_right(qb, T.Broadcast(T.uint8(4), 16))) - T.Broadcast(T.int8(8), 16)) \
+                        * T.Broadcast(sc, 16)
+                else:
+                    yp[p, T.ramp(c * 64 + t * 16, 1, 16)] = yp[p, T.ramp(c * 64 + t * 16, 1, 16)] \
+                        + T.Cast("float32x16", qb) * T.Broadcast(sc, 16)
+
+    return axpy
+
+
+def describe_ffn(spec: KernelSpec, isa: str, partitions: int) -> tirx.PrimFunc:
+    """The one-token fused FFN (``ffn_gated``: arguments ``(x, w_up, s_up, w_gate, s_gate, w_down_t, s_down, idx,
+    y)``; ``ffn_relu``: without the gate), the rows cut into ``partitions`` contiguous parts (one per core, as
+    ``compute.describe_partitioned``): per part, first the deciding dot products (gate; ffn_relu: up and h) of
+    all its rows, then for the active rows (ReLU: decider > 0; SiLU: all) the up dot product and the down row
+    into the part's ``y_part``, prefetching the next row's up row only if it is active; ``y = Σ_p y_part[p]``."""
+    if not applies(spec, isa) or spec.kind not in ("ffn_gated", "ffn_relu"):
+        raise ValueError(f"no integer dot-product kernel for {spec}")
+    d, n, P = spec.d_model, spec.n_rows, partitions
+    qdt = "uint8" if spec.weight_dtype == "int4" else "int8"
+    sh = _shape(spec)
+    nb, RB, NL = sh["nb"], sh["RB"], sh["NL"]
+    act = spec.act
+    relu = act == "relu"
+    prep_x, row_dot = _macros(spec, isa)
+    axpy = _down_macro(spec)
+
+    def active(v: tirx.PrimExpr) -> tirx.PrimExpr:
+        return tirx.Not(v <= tirx.const(0.0, "float32")) if relu else tirx.const(True, "bool")
+
+    if spec.gated:
+        @T.prim_func(check_well_formed=False)
+        def ffn(xh: T.handle, wuh: T.handle, suh: T.handle, wgh: T.handle, sgh: T.handle, wdh: T.handle,
+                sdh: T.handle, idxh: T.handle, yh: T.handle) -> None:
+            T.func_attr({"tirx.noalias": True})
+            k = T.int32()
+            x = T.match_buffer(xh, (d,), "float32", align=64)  # [d_model]
+            wu = T.match_buffer(wuh, (n, RB), qdt, align=64)  # [n_rows, quant bytes]
+            su = T.match_buffer(suh, (n, nb), "float16", align=64)  # [n_rows, blocks]
+            wg = T.match_buffer(wgh, (n, RB), qdt, align=64)
+            sg = T.match_buffer(sgh, (n, nb), "float16", align=64)
+            wd = T.match_buffer(wdh, (n, RB), qdt, align=64)
+            sd = T.match_buffer(sdh, (n, nb), "float16", align=64)
+            idx = T.match_buffer(idxh, (k,), "int32")  # [k]
+            y = T.match_buffer(yh, (d,), "float32", align=64)  # [d_model]
+            xa = T.decl_buffer((RB,), "int8", align=64)
+            xb = T.decl_buffer((RB,), "int8", align=64)
+            xc = T.decl_buffer((NL,), "int32", align=64)
+            xd = T.decl_buffer((NL,), "float32", align=64)
+            dx = T.decl_buffer((nb,), "float32")
+            m16 = T.decl_buffer((16,), "float32", align=64)
+            yp = T.decl_buffer((P, d), "float32", align=64)  # [parts, d_model]
+            gv = T.decl_buffer((k + 1,), "float32")  # [k] the gates
+            prep_x(x, xa, xb, xc, xd, dx, m16)
+            for p in T.parallel(P):
+                acc = T.decl_buffer((16,), "float32", align=64)
+                res = T.decl_buffer((1,), "float32")
+                for i in range(d // 16):
+                    yp[p, T.ramp(i * 16, 1, 16)] = T.Broadcast(T.float32(0), 16)
+                for jj in range((k + P - 1) // P):
+                    if p * ((k + P - 1) // P) + jj < k:
+                        row_dot(wg, sg, xa, xb, xc, xd, idx[p * ((k + P - 1) // P) + jj],
+                                idx[T.min(p * ((k + P - 1) // P) + jj + AHEAD, k - 1)], acc, res)
+                        gv[p * ((k + P - 1) // P) + jj] = res[0]
+                for jj in range((k + P - 1) // P):
+                    if p * ((k + P - 1) // P) + jj < k:
+                        if active(gv[p * ((k + P - 1) // P) + jj]):
+                            row_dot(wu, su, xa, xb, xc, xd, idx[p * ((k + P - 1) // P) + jj],
+                                    idx[p * ((k + P - 1) // P) + jj], acc, res)
+                            axpy(wd, sd, idx[p * ((k + P - 1) // P) + jj],
+                                 _act(act, gv[p * ((k + P - 1) // P) + jj]) * res[0], yp, p, wu,
+                                 idx[T.min(p * ((k + P - 1) // P) + jj + 1, k - 1)],
+                                 T.And(p * ((k + P - 1) // P) + jj + 1 < k,
+                                       active(gv[p * ((k + P - 1) // P) + jj + 1])))
+            for i in range(d // 16):
+                y[T.ramp(i * 16, 1, 16)] = T.Broadcast(T.float32(0), 16)
+                for p in range(P):
+                    y[T.ramp(i * 16, 1, 16)] = y[T.ramp(i * 16, 1, 16)] + yp[p, T.ramp(i * 16, 1, 16)]
+
+        return ffn
+
+    @T.prim_func(check_well_formed=False)
+    def ffn_relu(xh: T.handle, wuh: T.handle, suh: T.handle, wdh: T.handle, sdh: T.handle, idxh: T.handle,
+                 yh: T.handle) -> None:
+        T.func_attr({"tirx.noalias": True})
+        k = T.int32()
+        x = T.match_buffer(xh, (d,), "float32", align=64)  # [d_model]
+        wu = T.match_buffer(wuh, (n, RB), qdt, align=64)  # [n_rows, quant bytes]
+        su = T.match_buffer(suh, (n, nb), "float16", align=64)  # [n_rows, blocks]
+        wd = T.match_buffer(wdh, (n, RB), qdt, align=64)
+        sd = T.match_buffer(sdh, (n, nb), "float16", align=64)
+        idx = T.match_buffer(idxh, (k,), "int32")  # [k]
+        y = T.match_buffer(yh, (d,), "float32", align=64)  # [d_model]
+        xa = T.decl_buffer((RB,), "int8", align=64)
+        xb = T.decl_buffer((RB,), "int8", align=64)
+        xc = T.decl_buffer((NL,), "int32", align=64)
+        xd = T.decl_buffer((NL,), "float32", align=64)
+        dx = T.decl_buffer((nb,), "float32")
+        m16 = T.decl_buffer((16,), "float32", align=64)
+        yp = T.decl_buffer((P, d), "float32", align=64)  # [parts, d_model]
+        hv = T.decl_buffer((k + 1,), "float32")  # [k] h
+        prep_x(x, xa, xb, xc, xd, dx, m16)
+        for p in T.parallel(P):
+            acc = T.decl_buffer((16,), "float32", align=64)
+            res = T.decl_buffer((1,), "float32")
+            for i in range(d // 16):
+                yp[p, T.ramp(i * 16, 1, 16)] = T.Broadcast(T.float32(0), 16)
+            for jj in range((k + P - 1) // P):
+                if p * ((k + P - 1) // P) + jj < k:
+                    row_dot(wu, su, xa, xb, xc, xd, idx[p * ((k + P - 1) // P) + jj],
+                            idx[T.min(p * ((k + P - 1) // P) + jj + AHEAD, k - 1)], acc, res)
+                    hv[p * ((k + P - 1) // P) + jj] = _act(act, res[0])
+            for jj in range((k + P - 1) // P):
+                if p * ((k + P - 1) // P) + jj < k:
+                    if hv[p * ((k + P - 1) // P) + jj] != T.float32(0):
+                        axpy(wd, sd, idx[p * ((k + P - 1) // P) + jj], hv[p * ((k + P - 1) // P) + jj], yp, p,
+                             wd, idx[T.min(p * ((k + P - 1) // P) + jj + 1, k - 1)],
+                             T.And(p * ((k + P - 1) // P) + jj + 1 < k,
+                                   hv[p * ((k + P - 1) // P) + jj + 1] != T.float32(0)))
+        for i in range(d // 16):
+            y[T.ramp(i * 16, 1, 16)] = T.Broadcast(T.float32(0), 16)
+            for p in range(P):
+                y[T.ramp(i * 16, 1, 16)] = y[T.ramp(i * 16, 1, 16)] + yp[p, T.ramp(i * 16, 1, 16)]
+
+    return ffn_relu
