@@ -1,10 +1,12 @@
 """``build_kernel``: compile a ``KernelSpec`` with TVM, or reuse the library already in the cache.
 
 Cache layout (one flat directory, one machine): ``<key>.so`` (the exported library) and
-``<key>.json`` (spec, ABI version, TVM version, compile target incl. host CPU, build time),
+``<key>.json`` (spec, ABI version, TVM version, compile target incl. host CPU, the code generator's
+fingerprint, build time),
 plus for CUDA ``<key>.cu`` (TVM's generated source) and ``<key>.cubin`` (nvcc's output, also
 embedded in the ``.so``). A cached entry is reused when its metadata matches; it is rebuilt when the
-metadata is missing or names another ABI version, TVM version or host CPU. Writes go to temporary
+metadata is missing or names another ABI version, TVM version, host CPU or code generator (a schedule changed
+in this package's sources: the key names what a kernel computes, not how it is scheduled). Writes go to temporary
 files renamed into place, under an ``flock`` per key, so concurrent builders never see half a file.
 """
 from __future__ import annotations
@@ -22,6 +24,19 @@ from typing import Any
 from .spec import KERNEL_ABI_VERSION, KernelSpec
 
 _build_count: int = 0  # compilations done by this process (tests check cache hits with it)
+# the modules whose code decides a compiled kernel's instructions (kernels/*.py that import TVM)
+CODEGEN_MODULES: tuple[str, ...] = ("compute.py", "cpu.py", "cpu_rewrite.py", "cpu_qdot.py", "cuda.py")
+
+
+def codegen_fingerprint() -> str:
+    """sha256 (16 hex digits) of the code generator's sources: a cached library from other sources is rebuilt."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in CODEGEN_MODULES:
+        path = Path(__file__).with_name(name)
+        h.update(name.encode() + b"\0" + (path.read_bytes() if path.exists() else b""))
+    return h.hexdigest()[:16]
 
 
 def build_count() -> int:
@@ -49,6 +64,7 @@ def _expected_meta(spec: KernelSpec, mcpu: str | None = None, integer_dot: bool 
         "abi": KERNEL_ABI_VERSION,
         "spec": spec.to_json(),
         "tvm_version": str(tvm.__version__),
+        "codegen": codegen_fingerprint(),
     }
     if spec.is_cuda:
         from .cuda import cuda_target_str

@@ -563,3 +563,21 @@ def test_aligned_copies_pack_small_tensors_apart() -> None:
         assert c.untyped_storage().nbytes() == t.numel() * t.element_size()  # its own storage, no aliasing
     out["norm"].zero_()  # neighbours in the shared mapping are untouched
     assert torch.equal(out["fc2"], src["fc2"]) and torch.equal(out["idx"], src["idx"])
+
+
+def test_cached_kernel_from_another_code_generator_is_rebuilt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cache key names what a kernel computes; a library compiled by other schedule code (the package's
+    sources changed since) is rebuilt, not reused."""
+    import json
+
+    from picompile.kernels import cache
+
+    spec = KernelSpec("up", "relu", 64, 32, "float32", False, "llvm")
+    before = build_count()
+    path = build_kernel(spec, tmp_path)
+    assert json.loads(path.with_suffix(".json").read_text())["codegen"] == cache.codegen_fingerprint()
+    assert build_kernel(spec, tmp_path) == path and build_count() == before + 1  # same sources: a hit
+    monkeypatch.setattr(cache, "codegen_fingerprint", lambda: "0123456789abcdef")
+    build_kernel(spec, tmp_path)
+    assert build_count() == before + 2
+    assert json.loads(path.with_suffix(".json").read_text())["codegen"] == "0123456789abcdef"
