@@ -154,3 +154,22 @@ def test_greedy_path_spends_bytes_where_loss_is_cheapest() -> None:
     assert half.sparsity[0] == 0.0 and half.sparsity[1] == 0.9
     found, _ = isp.within_budget(path, lambda a: a.predicted_loss <= 0.2)
     assert found is not None and found.predicted_loss <= 0.2 and found.saved > 0.45
+
+
+def test_batched_calibration_sampler_writes_documents_from_bos(silu_ckpt: Path) -> None:
+    """examples/sample_calibration.py from a checkpoint directory: batched documents, each starting at BOS."""
+    import importlib.util
+    import json
+
+    from transformers import AutoConfig
+
+    spec = importlib.util.spec_from_file_location("sample_calibration",
+                                                  Path(__file__).parents[1] / "examples" / "sample_calibration.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    bos = AutoConfig.from_pretrained(silu_ckpt).bos_token_id
+    ids = mod.sample_ids_hf(silu_ckpt, 40, seed=0, doc_tokens=7, batch=3)
+    assert len(ids) == 40 and ids[0] == bos
+    assert ids.count(bos) >= 40 // 8  # one BOS per document of at most 8 ids
+    vocab = json.loads((silu_ckpt / "config.json").read_text())["vocab_size"]
+    assert all(0 <= t < vocab for t in ids)
