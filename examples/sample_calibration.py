@@ -6,7 +6,8 @@
 Samples documents from BOS at temperature 1, so the text profiled and the text evaluated on stay disjoint: the
 stories260K figures in benchmarks/README.md are measured on tinystories_sample.txt with a calibration file made so.
 From a Hugging Face checkpoint directory (``config.json`` + safetensors, e.g. SmolLM2's) ``--batch`` documents are
-sampled at once with transformers' KV cache (SmolLM2-135M: 4,096 tokens in about a minute on 2 cores); from an
+sampled at once with transformers' KV cache (SmolLM2-135M, 4,096 tokens, batch 16: 203 s on a busy 2-core machine,
+load average ~6, where the artifact path had not finished in an hour); from an
 artifact (a dense build of the model, ``picompile build MODEL --pipeline dense``), one document at a time.
 """
 from __future__ import annotations
@@ -38,6 +39,8 @@ def sample_ids(artifact: Path, n_tokens: int, seed: int, doc_tokens: int) -> lis
 def sample_ids_hf(model_dir: Path, n_tokens: int, seed: int, doc_tokens: int, batch: int) -> list[int]:
     """As :func:`sample_ids` from a transformers checkpoint: ``batch`` documents per ``generate`` call (KV cache,
     sampling at temperature 1 without top-k / top-p); a document ends at EOS or after ``doc_tokens`` ids."""
+    import picompile  # noqa: F401  before torch: OMP_WAIT_POLICY=PASSIVE (spinning OpenMP threads made each step
+    # 6x slower on a shared machine)
     import torch
     from transformers import AutoModelForCausalLM
 
