@@ -7,7 +7,8 @@ Samples documents from BOS at temperature 1, so the text profiled and the text e
 stories260K figures in benchmarks/README.md are measured on tinystories_sample.txt with a calibration file made so.
 From a Hugging Face checkpoint directory (``config.json`` + safetensors, e.g. SmolLM2's) ``--batch`` documents are
 sampled at once with transformers' KV cache (SmolLM2-135M, 4,096 tokens, batch 16: 203 s on a busy 2-core machine,
-load average ~6, where the artifact path had not finished in an hour); from an
+load average ~6; the same run without OMP_WAIT_POLICY=PASSIVE had not finished in 900 s, and the artifact path
+did not finish in the session that measured SmolLM2 first); from an
 artifact (a dense build of the model, ``picompile build MODEL --pipeline dense``), one document at a time.
 """
 from __future__ import annotations
