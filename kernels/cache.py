@@ -147,6 +147,13 @@ def _compile_cpu(spec: KernelSpec, out: Path, mcpu: str | None = None, integer_d
     from .compute import describe, describe_partitioned, describe_predict
 
     key = spec.key()
+    if spec.kind == "input_sparse":  # one token only: several tokens take torch (ops.input_sparse_linear)
+        from . import input_sparse
+
+        mod = tvm.IRModule({key: input_sparse.describe(spec, cpu.build_cores()).with_attr("global_symbol", key)})
+        lib = tvm.compile(mod, target=cpu.host_target(mcpu))
+        lib.export_library(str(out))
+        return {"batched": False, "arg_names": ["x", "mask", "w_t", "y"], "functions": [key]}
     batched_too = spec.kind != "predict"  # several tokens take the torch reference (ops.predict)
     funcs = {}
     for batched in (False, True) if batched_too else (False,):

@@ -266,6 +266,9 @@ def _signature(spec: KernelSpec, batched: bool) -> list[_Arg]:
         return [_Arg("x", torch.float32, (d,)), _Arg("fc1", w, (spec.rank, d)), _Arg("fc2", w, (n, spec.rank)),
                 *([_Arg("offset", torch.float32, (n,))] if spec.has_bias else []),
                 _Arg("thr", torch.float32, (1,)), _Arg("mask", torch.int8, (n,))]
+    if spec.kind == "input_sparse":  # one token only (kernels/input_sparse.py)
+        return [_Arg("x", torch.float32, (n,)), _Arg("mask", torch.int8, (n,)), _Arg("w_t", w, (n, d)),
+                _Arg("y", torch.float32, (d,))]
     tok: tuple[str, ...] = ("t",) if batched else ()
     args: list[_Arg] = []
     if spec.has_up:
@@ -320,6 +323,7 @@ CALL_ARGS: dict[str, tuple[str, ...]] = {
     "up_gated": ("x", "w_up", "w_gate", "b_up", "idx", "h"),
     "down": ("h", "w_down_t", "idx", "y"),
     "predict": ("x", "fc1", "fc2", "offset", "thr", "mask"),
+    "input_sparse": ("x", "mask", "w_t", "y"),
 }
 
 
@@ -334,6 +338,7 @@ class SparseKernel:
         up / up_gated:         k(x, w_up, w_gate, b_up, idx, h)
         down:                  k(h, w_down_t, idx, y)
         predict:               k(x, fc1, fc2, offset, thr, mask)   (offset None unless has_bias)
+        input_sparse:          k(x, mask, w_t, y)                  (mask int8 [n_rows], w_t [n_rows, d_model])
 
     Shapes: ``x`` ``[d_model]`` float32 (or ``[t, d_model]`` for the batched variant: one ``idx``
     for all t tokens), ``w_*`` ``[n_rows, d_model]`` and ``b_up`` ``[n_rows]`` in ``weight_dtype``,
@@ -425,7 +430,7 @@ class SparseKernel:
         return ordered
 
     def _launch(self, ordered: list[torch.Tensor], batched: bool) -> None:
-        if self.spec.kind != "predict" and ordered[-2].numel() == 0:  # ordered[-2] is idx: k = 0, no active row
+        if self.spec.kind not in ("predict", "input_sparse") and ordered[-2].numel() == 0:  # ordered[-2] is idx: k = 0, no active row
             # y = 0 and h is empty. The compiled functions handle k = 0 themselves (one code path for
             # every k), but TVM rejects the strides torch gives an empty [t, 0] tensor and a CUDA grid
             # of 0 blocks is an invalid launch, so the trivial result is written here.

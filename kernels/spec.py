@@ -23,6 +23,10 @@ Quantized ``weight_dtype`` (``int8``, ``int4``; ``block`` elements per scale): e
 array then its float16 scales (``kernels/qformat.py``; ``w_down_t`` quantized along d_model too), ``b_up``
 is float32, and the maths is that of the dequantized weights (``qformat.dequantize``).
 
+Kind ``input_sparse`` (CPU only, float32/float16, one token; ``kernels/input_sparse.py``): an input-sparse
+linear, ``w_t`` ``[n_rows, d_model]`` a weight input-major, ``x`` ``[n_rows]``, ``mask`` int8 ``[n_rows]``:
+``y = sum_{i: mask[i] != 0} x[i] * w_t[i]`` (``y`` ``[d_model]``, written).
+
 Kind ``predict`` (CPU only) is a whole activation predictor in one call, for one token:
 ``fc1`` ``[rank, d_model]``, ``fc2`` ``[n_rows, rank]`` (``weight_dtype``), optional ``offset`` ``[n_rows]``
 float32 (``has_bias``), ``thr`` float32 ``[1]``; it writes the int8 mask
@@ -36,11 +40,11 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-KernelKind = Literal["ffn_relu", "ffn_gated", "up", "up_gated", "down", "predict"]
+KernelKind = Literal["ffn_relu", "ffn_gated", "up", "up_gated", "down", "predict", "input_sparse"]
 Activation = Literal["relu", "silu", "drelu", "none"]
 WeightDType = Literal["float32", "float16", "int8", "int4"]
 
-KINDS: tuple[str, ...] = ("ffn_relu", "ffn_gated", "up", "up_gated", "down", "predict")
+KINDS: tuple[str, ...] = ("ffn_relu", "ffn_gated", "up", "up_gated", "down", "predict", "input_sparse")
 ACTS: tuple[str, ...] = ("relu", "silu", "drelu", "none")
 WEIGHT_DTYPES: tuple[str, ...] = ("float32", "float16")  # float weights (every kind, CPU and CUDA)
 QUANT_DTYPES: tuple[str, ...] = ("int8", "int4")  # quantized weights, layout: kernels/qformat.py
@@ -129,6 +133,9 @@ class KernelSpec:
                 raise KernelSpecError(f"kind 'predict' applies relu or none between fc1 and fc2, not {self.act!r}")
         elif self.rank:
             raise KernelSpecError(f"rank is for kind 'predict' only, got rank={self.rank} for {self.kind!r}")
+        if self.kind == "input_sparse":  # kernels/input_sparse.py
+            if self.is_cuda or self.quantized or self.has_bias or self.act != "none":
+                raise KernelSpecError("kind 'input_sparse' is CPU (llvm), float32/float16, act 'none', no bias")
         if self.quantized:
             if self.block not in QUANT_BLOCKS:
                 raise KernelSpecError(f"block must be one of {QUANT_BLOCKS}, got {self.block!r}")
@@ -158,7 +165,7 @@ class KernelSpec:
 
     @property
     def has_up(self) -> bool:
-        return self.kind not in ("down", "predict")
+        return self.kind not in ("down", "predict", "input_sparse")
 
     @property
     def has_down(self) -> bool:

@@ -3,7 +3,8 @@ and down) → input_sparse_linear(x, Wᵀ, b, input_mask(x, threshold)): a per-t
 quantiles; the skipped input channels skip their rows of the weight stored input-major (y = Σ_{i active} x_i Wᵀ[i]).
 Thresholds are allocated against ``--act-sparsity`` (fraction of these projections' weight bytes skipped per token)
 or ``--accuracy-budget`` (calibration perplexity), greedily by measured loss per byte (``sparsity.input_sparsity``).
-After lower-tvm each input-sparse linear runs the row-axpy kernel (kind ``down``) for one token.
+After lower-tvm each input-sparse linear runs the TVM kernel of kind ``input_sparse`` for one token (it compacts the
+mask and reads only the active rows, ``kernels/input_sparse.py``).
 """
 from __future__ import annotations
 
@@ -285,10 +286,11 @@ def _allocate(cal: _Calibrator, ctx: BuildContext) -> tuple[isp.Allocation, dict
 
 
 def _build_kernel(ctx: BuildContext, w_t: torch.Tensor, use: str) -> str:
-    """Kind ``down`` over the input-major weight [d_in, d_out] (compiled or reused; copied into the artifact)."""
+    """Kind ``input_sparse`` over the input-major weight [d_in, d_out] (compiled or reused; copied into the
+    artifact)."""
     from picompile.kernels import KernelSpec, build_kernel
 
-    spec = KernelSpec(kind="down", act="none", d_model=int(w_t.shape[1]), n_rows=int(w_t.shape[0]),
+    spec = KernelSpec(kind="input_sparse", act="none", d_model=int(w_t.shape[1]), n_rows=int(w_t.shape[0]),
                       weight_dtype=str(w_t.dtype).removeprefix("torch."), has_bias=False, target="llvm")
     key = spec.key()
     entries: list[dict[str, Any]] = ctx.manifest_extra.setdefault("kernels", [])

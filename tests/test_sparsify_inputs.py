@@ -31,14 +31,18 @@ def _decode(gm: torch.fx.GraphModule, ctx, ids: list[int]) -> torch.Tensor:
     return torch.cat(outs)
 
 
+@pytest.mark.parametrize("kind,d_in,d_out", [("input_sparse", 96, 80), ("input_sparse", 70, 576),
+                                              ("input_sparse", 33, 24), ("down", 96, 80)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_kernel_equals_torch_reference(dtype: torch.dtype, tmp_path: Path) -> None:
+def test_kernel_equals_torch_reference(dtype: torch.dtype, kind: str, d_in: int, d_out: int, tmp_path: Path) -> None:
+    """The one-token kernel (``input_sparse``; ``down``: artifacts built before it) against (x · mask) Wᵀ + b, at
+    shapes whose row lengths are whole cache lines, not (24 float32 = 1.5 lines), and whose active counts are not
+    multiples of the kernel's four rows per step; every channel active (mask None) and none."""
     from picompile.kernels import KernelSpec, as_aligned, build_kernel
     from picompile.kernels.loader import load_kernel
     from picompile.kernels.table import add_kernel
 
-    d_in, d_out = 96, 80
-    spec = KernelSpec(kind="down", act="none", d_model=d_out, n_rows=d_in, weight_dtype=str(dtype).removeprefix("torch."),
+    spec = KernelSpec(kind=kind, act="none", d_model=d_out, n_rows=d_in, weight_dtype=str(dtype).removeprefix("torch."),
                       has_bias=False, target="llvm")
     add_kernel(spec.key(), load_kernel(build_kernel(spec, tmp_path), spec))
     g = torch.Generator().manual_seed(0)
@@ -53,6 +57,13 @@ def test_kernel_equals_torch_reference(dtype: torch.dtype, tmp_path: Path) -> No
     assert torch.allclose(input_sparse_linear(x, w_t, b, mask), ref, atol=1e-4, rtol=1e-4)  # the torch path
     assert torch.allclose(input_sparse_linear(x, w_t, b, None, spec.key()),
                           torch.nn.functional.linear(x, w.float(), b), atol=1e-4, rtol=1e-4)
+    none = torch.zeros_like(mask)
+    assert torch.equal(input_sparse_linear(x, w_t, b, none, spec.key()), b.expand_as(ref))  # no channel: y = b
+    for k in range(1, 6):  # the first k channels: 1..5 active rows (padding of the four-row steps)
+        m = torch.zeros_like(mask)
+        m[..., :k] = True
+        assert torch.allclose(input_sparse_linear(x, w_t, b, m, spec.key()),
+                              torch.nn.functional.linear(x * m, w.float(), b), atol=1e-4, rtol=1e-4)
 
 
 @pytest.fixture(scope="module")
@@ -74,13 +85,13 @@ def test_lowered_pass_matches_reference_and_skips_bytes(silu_ckpt: Path, tmp_pat
     assert abs(report["bytes_saved_calibration"] - 0.4) < 0.1
     assert {g["group"] for g in report["groups"]} == {"qkv", "o", "gate_up", "down"}
     kinds = sorted(e["spec"]["kind"] for e in ctx.manifest_extra["kernels"])
-    assert kinds.count("up") == 1 and set(kinds) == {"up", "down"}  # the replaced GEMV / FFN kernels are gone
+    assert kinds.count("up") == 1 and set(kinds) == {"up", "input_sparse"}  # the replaced GEMV / FFN kernels are gone
     for e in ctx.manifest_extra["kernels"]:
         assert (tmp_path / e["file"]).is_file()
     with torch.no_grad():  # every token in one prefill: the torch path (x · mask) @ Wᵀ
         full = gm(torch.tensor([IDS]), *ctx.info.kv_tensors())[0][0]
     load_kernels(tmp_path, ctx.manifest_extra["kernels"])
-    lowered = _decode(gm, ctx, IDS)  # the last five tokens one at a time: the row-axpy kernels
+    lowered = _decode(gm, ctx, IDS)  # the last five tokens one at a time: the input-sparse kernels
     assert (full - lowered).abs().max().item() < 1e-4
 
 
@@ -143,3 +154,22 @@ def test_greedy_path_spends_bytes_where_loss_is_cheapest() -> None:
     assert half.sparsity[0] == 0.0 and half.sparsity[1] == 0.9
     found, _ = isp.within_budget(path, lambda a: a.predicted_loss <= 0.2)
     assert found is not None and found.predicted_loss <= 0.2 and found.saved > 0.45
+
+
+def test_batched_calibration_sampler_writes_documents_from_bos(silu_ckpt: Path) -> None:
+    """examples/sample_calibration.py from a checkpoint directory: batched documents, each starting at BOS."""
+    import importlib.util
+    import json
+
+    from transformers import AutoConfig
+
+    spec = importlib.util.spec_from_file_location("sample_calibration",
+                                                  Path(__file__).parents[1] / "examples" / "sample_calibration.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    bos = AutoConfig.from_pretrained(silu_ckpt).bos_token_id
+    ids = mod.sample_ids_hf(silu_ckpt, 40, seed=0, doc_tokens=7, batch=3)
+    assert len(ids) == 40 and ids[0] == bos
+    assert ids.count(bos) >= 40 // 8  # one BOS per document of at most 8 ids
+    vocab = json.loads((silu_ckpt / "config.json").read_text())["vocab_size"]
+    assert all(0 <= t < vocab for t in ids)

@@ -303,6 +303,7 @@ def is_picompile_op(target: object, name: str | None = None) -> bool:
 
 
 _ALL_ROWS: dict[int, Tensor] = {}
+_ALL_CHANNELS: dict[int, Tensor] = {}
 
 
 def _loaded(key: str, what: str) -> object:
@@ -312,6 +313,13 @@ def _loaded(key: str, what: str) -> object:
     if kern is None:
         raise RuntimeError(f"TVM kernel {key} ({what}) is not loaded")
     return kern
+
+
+def _all_channels(n: int) -> Tensor:
+    """An all-ones int8 [n] mask (an input-sparse linear whose input stays dense), made once per n."""
+    if n not in _ALL_CHANNELS:
+        _ALL_CHANNELS[n] = torch.ones(n, dtype=torch.int8)
+    return _ALL_CHANNELS[n]
 
 
 def _all_rows(n: int) -> Tensor:
@@ -496,20 +504,26 @@ def input_sparse_linear(
     w_t: Tensor,  # [d_in, d_out] the weight input-major (nn.Linear's transposed), float32 or float16
     b: Optional[Tensor],  # [d_out] float32
     mask: Optional[Tensor],  # [..., d_in] bool: the input channels read (None = every channel)
-    kernel: str = "",  # key of the llvm row-axpy kernel (kind "down") for one token; "" = torch
+    kernel: str = "",  # key of the llvm kernel for one token (kind "input_sparse"; "down" before it); "" = torch
 ) -> Tensor:
     """``y = Σ_{i active} x_i · w_t[i] (+ b)``: only the weight rows (nn.Linear columns) of active input channels
-    are read. One token with a kernel gathers the active channels and runs the ``down`` kernel over their rows;
-    otherwise torch computes ``(x · mask) @ w_t``."""
+    are read. One token with a kernel: kind ``input_sparse`` reads the mask itself (compacts it in the kernel,
+    threads splitting d_out; ``kernels/input_sparse.py``); an artifact built before it names a ``down`` kernel, run
+    over the gathered channels. Otherwise torch computes ``(x · mask) @ w_t``."""
     d_in = x.shape[-1]
     if kernel and x.numel() == d_in:
         from picompile.kernels import as_aligned
 
+        kern = _loaded(kernel, "input-sparse linear")
         xv = x.reshape(d_in)
-        idx = (_all_rows(d_in) if mask is None else mask.reshape(d_in).nonzero().squeeze(1).to(torch.int32))
-        h = as_aligned(xv.index_select(0, idx) if mask is not None else xv)  # [k] float32
         y = _out(w_t.shape[1])  # [d_out]
-        _loaded(kernel, "input-sparse linear").unchecked(h, w_t, idx, y)  # type: ignore[attr-defined]
+        if kern.spec.kind == "input_sparse":  # type: ignore[attr-defined]
+            m = _all_channels(d_in) if mask is None else mask.reshape(d_in).view(torch.int8)  # [d_in]
+            kern.unchecked(as_aligned(xv), m, w_t, y)  # type: ignore[attr-defined]
+        else:
+            idx = (_all_rows(d_in) if mask is None else mask.reshape(d_in).nonzero().squeeze(1).to(torch.int32))
+            h = as_aligned(xv.index_select(0, idx) if mask is not None else xv)  # [k] float32
+            kern.unchecked(h, w_t, idx, y)  # type: ignore[attr-defined]
         if b is not None:
             y += b
         return y.reshape(*x.shape[:-1], w_t.shape[1])

@@ -1,0 +1,101 @@
+"""Kind ``input_sparse``: one token's input-sparse linear ``y = Σ_{i: mask[i]} x[i] · w_t[i]`` (CPU).
+
+``w_t`` ``[n_rows, d_model]`` is a linear layer's weight input-major (nn.Linear's transposed: one row per input
+channel), ``x`` ``[n_rows]`` float32, ``mask`` ``[n_rows]`` int8 (a bool mask viewed as int8: the channels read),
+``y`` ``[d_model]`` float32, written. Only the rows of active channels are read.
+
+Schedule (written directly in TIR, not through TE: the active list is data-dependent): ``parts`` parallel tasks
+(one per core) split ``y`` (d_model) into contiguous column ranges, never the reduction. Each task
+
+1. compacts the mask itself into a private list of row offsets and their ``x`` values (d_in byte compares: a few
+   µs, in parallel in every task; no barrier, no second parallel region, nothing gathered in torch);
+2. zeroes its range of ``y`` (it stays in L1: at most d_model/parts float32);
+3. walks the active rows four at a time: for each cache line of its range, ``y += x0·w0 + x1·w1 + x2·w2 + x3·w3``
+   (float16 widened in registers, float32 FMAs; four rows per ``y`` load/store), prefetching (``prefetcht1``) the
+   same line of the next four active rows. The list is padded to a multiple of four (and the prefetch distance)
+   with the last active row at ``x = 0``, which re-reads a cached row.
+
+Without the prefetch a task's reads are short segments of rows far apart (d_model·itemsize / parts bytes each)
+and the hardware prefetchers lose each one's start; with it the kernel reads at about the dense GEMV's
+bandwidth (``benchmarks/README.md``, "Input-sparse kernel").
+"""
+from __future__ import annotations
+
+import tvm
+from tvm.script import tirx as T
+
+from .spec import KernelSpec
+
+ROWS = 4  # active rows per step (one y load/store per four FMAs)
+AHEAD = 1  # prefetch distance, in steps of ROWS rows
+_LOCALITY = 2  # llvm.prefetch locality 2 = prefetcht1 (into L2), as cpu_rewrite
+_LINE_BYTES = 64
+
+
+def step_elems(spec: KernelSpec) -> int:
+    """Elements of ``y`` per inner iteration: one cache line of ``w_t`` (fewer when d_model is not a multiple)."""
+    item = 2 if spec.weight_dtype == "float16" else 4
+    for e in (_LINE_BYTES // item, 16, 8, 4, 2, 1):
+        if spec.d_model % e == 0:
+            return e
+    return 1
+
+
+def describe(spec: KernelSpec, parts: int) -> tvm.tirx.PrimFunc:
+    """The PrimFunc ``main(x, mask, w_t, y)`` for ``spec`` (kind ``input_sparse``), split over ``parts`` tasks."""
+    d_in, d_out, wdt = spec.n_rows, spec.d_model, spec.weight_dtype
+    L = step_elems(spec)
+    n_steps = d_out // L  # inner iterations over the whole y, shared out to the parts
+    parts = max(1, min(parts, n_steps))
+    pad = ROWS * (AHEAD + 1)
+    R = ROWS
+
+    @T.prim_func
+    def main(x: T.Buffer((d_in,), "float32"), mask: T.Buffer((d_in,), "int8"),
+             w_t: T.Buffer((d_in, d_out), wdt), y: T.Buffer((d_out,), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        w = T.decl_buffer((d_in * d_out,), wdt, data=w_t.data)
+        for p in T.parallel(parts):
+            off = T.alloc_buffer((d_in + pad,), "int32")  # row offsets (i * d_out) of the active channels
+            h = T.alloc_buffer((d_in + pad,), "float32")  # their x values
+            k = T.alloc_buffer((16,), "int32")  # k[0]: active count (a buffer: a TIR scalar is immutable)
+            k[0] = 0
+            for i in range(d_in):
+                if mask[i] != T.int8(0):
+                    off[k[0]] = i * d_out
+                    h[k[0]] = x[i]
+                    k[0] = k[0] + 1
+            for q in range(pad):
+                off[k[0] + q] = T.if_then_else(k[0] > 0, off[T.max(k[0] - 1, 0)], 0)
+                h[k[0] + q] = T.float32(0)
+            c0 = (p * n_steps // parts) * L
+            n = ((p + 1) * n_steps // parts) * L - c0
+            for v in range(n // L):
+                for e in T.vectorized(L):
+                    y[c0 + v * L + e] = T.float32(0)
+            for j in range((k[0] + R - 1) // R):
+                r0 = off[j * R] + c0
+                r1 = off[j * R + 1] + c0
+                r2 = off[j * R + 2] + c0
+                r3 = off[j * R + 3] + c0
+                q0 = off[j * R + R * AHEAD] + c0
+                q1 = off[j * R + R * AHEAD + 1] + c0
+                q2 = off[j * R + R * AHEAD + 2] + c0
+                q3 = off[j * R + R * AHEAD + 3] + c0
+                h0 = h[j * R]
+                h1 = h[j * R + 1]
+                h2 = h[j * R + 2]
+                h3 = h[j * R + 3]
+                for v in range(n // L):
+                    T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(w[q0 + v * L]), 0, _LOCALITY, 1))
+                    T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(w[q1 + v * L]), 0, _LOCALITY, 1))
+                    T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(w[q2 + v * L]), 0, _LOCALITY, 1))
+                    T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(w[q3 + v * L]), 0, _LOCALITY, 1))
+                    # (no Let inside a vectorized loop: TVM 0.27's vectorizer drops the store; indices inline)
+                    for e in T.vectorized(L):
+                        y[c0 + v * L + e] = (y[c0 + v * L + e] + h0 * T.Cast("float32", w[r0 + v * L + e])
+                                             + h1 * T.Cast("float32", w[r1 + v * L + e])
+                                             + h2 * T.Cast("float32", w[r2 + v * L + e])
+                                             + h3 * T.Cast("float32", w[r3 + v * L + e]))
+
+    return main
