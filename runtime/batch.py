@@ -32,13 +32,17 @@ import torch
 from torch import Tensor, fx
 
 from picompile.ir.schema import args_of, node_op
+from picompile.runtime.batch_ffn import batched_hybrid, batched_part, split_kernels
+from picompile.runtime.hybrid import HYBRID_MASKS, HybridFFN, hybrid_args
+from picompile.runtime.partitions import PART_WEIGHTS, EmptyPartition, InlinePartition, ThreadPartition
 
 _ARENA = re.compile(r"^kv_arena(\d+)$")
 
 
-def batched_linear(xs: Sequence[Tensor], w: Tensor, b: Tensor | None, kernel: str) -> list[Tensor]:
+def batched_linear(xs: Sequence[Tensor], w: Tensor, b: Tensor | None, kernel: str,
+                   s: Tensor | None = None) -> list[Tensor]:
     """``tvm_linear`` for several tokens at once: xs (B tensors [..., d_in], one token each) → B outputs [..., d_out],
-    by the kernel's batched form (one pass over the weight rows for all B)."""
+    by the kernel's batched form (one pass over the weight rows for all B; int8 / int4: w's quants, s its scales)."""
     from picompile.kernels import aligned_empty, as_aligned
     from picompile.kernels.table import find_kernel
 
@@ -47,7 +51,10 @@ def batched_linear(xs: Sequence[Tensor], w: Tensor, b: Tensor | None, kernel: st
         raise RuntimeError(f"TVM kernel {kernel} (linear) is not loaded")
     x = as_aligned(torch.cat([t.reshape(1, -1) for t in xs]))  # [B, d_in]
     y = aligned_empty((len(xs), w.shape[0]))  # [B, d_out]
-    kern.unchecked(x, w, None, None, _rows(w.shape[0]), y)  # type: ignore[attr-defined]
+    if s is None:
+        kern.unchecked(x, w, None, None, _rows(w.shape[0]), y)  # type: ignore[attr-defined]
+    else:
+        kern.unchecked(x, w, s, None, None, None, _rows(w.shape[0]), y)  # type: ignore[attr-defined]
     if b is not None:
         y += b
     return [y[i].reshape(*t.shape[:-1], w.shape[0]) for i, t in enumerate(xs)]
@@ -70,7 +77,74 @@ def _batchable(node: fx.Node) -> bool:
     return isinstance(a.get("kernel"), str) and bool(a["kernel"]) and not isinstance(a.get("x"), (list, tuple))
 
 
-def batch_graph(gm: fx.GraphModule, n_past: int, batch: int) -> tuple[fx.GraphModule, int]:
+_Builder = Callable[[fx.Node, list[dict[fx.Node, Any]]], tuple[Callable[..., Any], tuple[Any, ...]]]
+_SPLIT_ERRORS: dict[str, str] = {}  # fused kernel key -> why its split kernels are unavailable
+
+
+def _splittable(key: Any) -> bool:
+    """Whether the fused CPU FFN kernel ``key``'s split kernels (``batch_ffn.split_kernels``) can be had."""
+    if not isinstance(key, str) or not key:
+        return False
+    if key not in _SPLIT_ERRORS:
+        try:
+            split_kernels(key)
+            _SPLIT_ERRORS[key] = ""
+        except Exception as e:  # no TVM compiler (source="artifact"), a CUDA kernel, …: per-sequence FFN
+            _SPLIT_ERRORS[key] = f"{type(e).__name__}: {e}"
+    return not _SPLIT_ERRORS[key]
+
+
+def _part_kernel(part: Any) -> str | None:
+    """A HybridFFN partition's fused CPU kernel key ("" for no rows), or None when it cannot be batched."""
+    if isinstance(part, EmptyPartition):
+        return ""
+    if isinstance(part, (InlinePartition, ThreadPartition)):
+        key = part.part.consts.get("kernel", "")
+        return key if key == "" or _splittable(key) else None
+    return None  # on the GPU: per sequence
+
+
+def _batchable_ffn(node: fx.Node) -> _Builder | None:
+    """How the B copies of a sparse FFN node become one union-masked call (``runtime/batch_ffn.py``), or None."""
+    if node.op != "call_function":
+        return None
+    if isinstance(node.target, HybridFFN):
+        keys = (_part_kernel(node.target.hot), _part_kernel(node.target.cold))
+        if None in keys:
+            return None
+
+        def hybrid(node: fx.Node, envs: list[dict[fx.Node, Any]]) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+            a = hybrid_args(node)
+            e0 = envs[0]
+            weights = {n: e0[a[n]] if isinstance(a[n], fx.Node) else a[n] for n in a if n not in ("x", *HYBRID_MASKS)}
+            hot = tuple(weights[n + "_h"] for n in PART_WEIGHTS)
+            cold = tuple(weights[n + "_c"] for n in PART_WEIGHTS)
+            xs = [env[a["x"]] for env in envs]
+            mh = [env[a["mask_h"]] if isinstance(a["mask_h"], fx.Node) else None for env in envs]
+            mc = [env[a["mask_c"]] if isinstance(a["mask_c"], fx.Node) else None for env in envs]
+            return batched_hybrid, (xs, hot, mh, cold, mc, weights["bias"], keys[0], keys[1])
+
+        return hybrid
+    if node_op(node) != "tvm_sparse_ffn":
+        return None
+    a = args_of(node)
+    if isinstance(a.get("x"), (list, tuple)) or not (a.get("kernel") == "" or _splittable(a.get("kernel"))):
+        return None
+
+    def part(node: fx.Node, envs: list[dict[fx.Node, Any]]) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        a = args_of(node)
+        e0 = envs[0]
+        w = {n: e0[a[n]] if isinstance(a.get(n), fx.Node) else a.get(n)
+             for n in (*PART_WEIGHTS, "s_up", "s_gate", "s_down")}
+        xs = [env[a["x"]] for env in envs]
+        masks = [env[a["mask"]] if isinstance(a.get("mask"), fx.Node) else None for env in envs]
+        return batched_part, (xs, w["w_up"], w["b_up"], w["w_gate"], w["w_down_t"], masks, a["kernel"],
+                              w["s_up"], w["s_gate"], w["s_down"])
+
+    return part
+
+
+def batch_graph(gm: fx.GraphModule, n_past: int, batch: int, union_ffn: bool = True) -> tuple[fx.GraphModule, int]:
     """The B-sequence form of the arena decode graph ``gm`` (see the module docstring). Its inputs, per sequence
     in order: ids [1, 1], n_past past views (read only for their length), n_past arenas; it returns the B logits.
     Also returns how many linear calls are shared."""
@@ -86,7 +160,7 @@ def batch_graph(gm: fx.GraphModule, n_past: int, batch: int) -> tuple[fx.GraphMo
             envs[b][n].meta.update(n.meta)
         for i, n in arenas:
             envs[b][n] = new.placeholder(f"arena{i}_s{b}")
-    n_shared = 0
+    n_shared = n_ffn = 0
     outputs: list[Any] = []
     for node in src.nodes:
         if node.op == "placeholder" or (node.op == "get_attr" and _ARENA.match(str(node.target))):
@@ -105,18 +179,28 @@ def batch_graph(gm: fx.GraphModule, n_past: int, batch: int) -> tuple[fx.GraphMo
             a = args_of(node)
             w, bias = a["w"], a.get("b")
             xs = [env[a["x"]] for env in envs]
+            scale = a.get("s")
             call = new.call_function(batched_linear, (xs, envs[0][w], envs[0][bias] if bias is not None else None,
-                                                      a["kernel"]))
+                                                      a["kernel"], envs[0][scale] if scale is not None else None))
             for b, env in enumerate(envs):
                 env[node] = new.call_function(operator.getitem, (call, b))
                 env[node].meta.update(node.meta)
             n_shared += 1
+            continue
+        ffn = _batchable_ffn(node) if union_ffn else None
+        if ffn is not None:
+            call = new.call_function(*ffn(node, envs))
+            for b, env in enumerate(envs):
+                env[node] = new.call_function(operator.getitem, (call, b))
+                env[node].meta.update(node.meta)
+            n_ffn += 1
             continue
         for env in envs:
             env[node] = new.node_copy(node, lambda a, env=env: env[a])
     new.output(tuple(outputs))
     module = fx.GraphModule(gm, new)
     module.graph.lint()
+    module.meta["batched_ffns"] = n_ffn
     return module, n_shared
 
 
