@@ -25,16 +25,19 @@ def _greedy(runner: object, slots: list[int], steps: int) -> dict[int, list[int]
     return seqs
 
 
-def test_batched_decode_equals_alone(default_artifact: Path) -> None:
+@pytest.mark.parametrize("union", [False, True])
+def test_batched_decode_equals_alone(default_artifact: Path, union: bool) -> None:
     import picompile
     from picompile.runtime.batch import BatchRunner, batch_graph
 
     session = picompile.load(default_artifact)
-    runner = BatchRunner(session, len(PROMPTS))
+    runner = BatchRunner(session, len(PROMPTS), union_ffn=union)
     alone = {sl: _greedy(runner, [sl], 12)[sl] for sl in range(len(PROMPTS))}
     together = _greedy(runner, list(range(len(PROMPTS))), 12)
     assert together == alone  # token for token
-    _, shared = batch_graph(session.decode_graph, session.n_past, 3)
+    gm, shared = batch_graph(session.decode_graph, session.n_past, 3, union)
+    n_layers = sum(1 for n in session.decode_graph.graph.nodes if "predict" in str(n.target))
+    assert gm.meta["batched_ffns"] == (2 * n_layers if union else 0)  # each layer's FFN and predictor, batched
     assert shared == sum(1 for n in session.decode_graph.graph.nodes if "tvm_linear" in str(n.target)) > 0
     # each slot holds its own cache: a slot's logits after a batch equal a fresh single-slot run's
     rows = runner.decode([(0, alone[0][-1], len(alone[0]) - 1)])

@@ -71,11 +71,11 @@ class Scheduler:
     """The engine: ``submit`` from any thread (the server's event loop), events delivered on the request's loop."""
 
     def __init__(self, session: Any, max_batch: int = 8, max_queue: int = 64, prefill_chunk: int = 128,
-                 trace: bool = False) -> None:
+                 trace: bool = False, union_ffn: bool = False) -> None:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be at least 1, got {prefill_chunk}")
         self.session = session
-        self.runner = BatchRunner(session, max_batch)
+        self.runner = BatchRunner(session, max_batch, union_ffn)
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []  # admitted (a slot each), prompt not yet all in the cache
