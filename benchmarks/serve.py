@@ -1,6 +1,7 @@
 """Load benchmark of ``picompile serve``: 1, 4 and 16 concurrent clients against one server on 127.0.0.1.
 
     python benchmarks/serve.py ART [--clients 1,4,16] [--requests 2] [--max-tokens 32] [--prompt-len 16]
+                               [--batch-ffn per-request|union] [--time-limit S] [--json]
 
 Starts ``picompile serve ART --port 0 --max-batch <most clients>`` (127.0.0.1 only), then per concurrency level
 runs that many clients, each sending ``--requests`` streaming completions one after the other (prompts: seeded
@@ -27,9 +28,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def start_server(art: str, max_batch: int) -> tuple[subprocess.Popen[str], str]:
+def start_server(art: str, max_batch: int, batch_ffn: str = "per-request") -> tuple[subprocess.Popen[str], str]:
     cmd = [sys.executable, "-m", "picompile", "serve", art, "--host", "127.0.0.1", "--port", "0",
-           "--model-name", "bench", "--max-batch", str(max_batch), "--max-queue", str(4 * max_batch)]
+           "--model-name", "bench", "--max-batch", str(max_batch), "--max-queue", str(4 * max_batch),
+           "--batch-ffn", batch_ffn]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -115,13 +117,15 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--time-limit", type=float, default=900.0, help="seconds for the whole run at most")
+    ap.add_argument("--batch-ffn", choices=("per-request", "union"), default="per-request",
+                    help="the server's --batch-ffn (default per-request)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     levels = [int(c) for c in args.clients.split(",")]
     if any(not 1 <= c <= 64 for c in levels) or not 1 <= args.requests <= 16 or not 1 <= args.max_tokens <= 512:
         raise SystemExit("clients 1..64, requests 1..16, max-tokens 1..512")
     deadline = time.perf_counter() + args.time_limit
-    proc, base = start_server(args.artifact, max(levels))
+    proc, base = start_server(args.artifact, max(levels), args.batch_ffn)
     try:
         for c in levels:  # warm-up: every batch size's step graph built before timing
             level(base, c, 1, 4, args.prompt_len, 99, deadline)

@@ -1,26 +1,34 @@
 """Several sequences' decode steps as one graph call: decode graph (one token of one sequence) → B copies of its
-per-token work sharing one call of every weight-streaming linear layer.
+per-token work sharing one call of every weight-streaming kernel.
 
 graph: forward(ids [1, 1], *past) with kv_arena buffers → forward(ids_0, *past_0, *arena_0, …, ids_B-1, …):
   - every node runs once per sequence on that sequence's tensors (embedding, norms, rotary at its own position,
-    attention over its own KV arena, the predictor and the sparse FFN with its own mask), except
-  - each ``tvm_linear`` (q/k/v, o, lm_head: most of the bytes a decode step reads), which runs once on the B
-    tokens stacked, through the TVM kernel's ``<key>_batch`` form (``x`` ``[B, d_in]``: each weight row read
-    once for all B).
-A sequence's result never depends on the others: every per-sequence node computes what it computes alone, and
-the batched kernel computes each row of ``x`` by itself, in the same order whatever B is
-(``tests/test_serve_batch.py`` checks greedy outputs token for token). So that a request alone and a request in a
-batch give the same floats, the server runs every decode step through this form, B = 1 included (the one-token
-GEMV kernel of ``Session.generate`` sums in another order; its text can differ in the last bits' ties).
+    attention over its own KV arena), except
+  - each ``tvm_linear`` (q/k/v, o, lm_head), which runs once on the B tokens stacked, through the TVM kernel's
+    ``<key>_batch`` form (``x`` ``[B, d_in]``: each weight row read once for all B; int8 / int4 too);
+  - each sparse FFN partition (a ``HybridFFN`` layer's hot and cold parts run inline, or a quantized
+    ``tvm_sparse_ffn``), which runs once on the **union** of the B tokens' predicted neurons, each token masked
+    by its own mask (``runtime/batch_ffn.py``: split up / down kernels, two calls per partition);
+  - each ``tvm_predict``, which runs as two batched GEMVs (``runtime/batch_predict.py``).
+A sequence's result never depends on the others: the per-sequence nodes compute what they compute alone, the
+batched kernels compute each (row, token) dot product by itself in the same order whatever B is, and the union
+FFN's extra rows add exact zeros to a token's sums, in ascending row order (``tests/test_serve_batch.py`` checks
+bit for bit and greedy outputs token for token). So that a request alone and a request in a batch give the same
+floats, the server runs every decode step through this form, B = 1 included; its sums run in another order
+than ``Session.generate``'s one-token kernels (fused FFN, fused predictor, GEMV), so its text can differ from
+``run``'s where two logits are near-tied or a predictor score sits at its threshold.
 
-The sparse FFN runs per sequence, each with its own predicted neurons: the batched FFN kernel takes one index
-list (the union of the B tokens' active neurons) and computes every listed neuron for every token, so a token
-would get contributions from neurons only another token's predictor selected — its output would depend on what
-else is in flight.
+The FFN and predictor forms are opt-in (``union_ffn=True``, ``serve --batch-ffn union``); the default runs them
+per sequence with the one-token fused kernels, each with its own mask, which is also exact as alone. On this
+project's 2-core Zen 4 the split kernels' batched forms are compute-bound: per 1B f16 layer at B = 4 (12 % of
+the neurons per token, 23 % in the union) the union path took 2.45 ms against 1.25 ms for four fused one-token
+calls, and 0.73 against 0.42 ms at B = 1 (``benchmarks/README.md``, serving), so it pays only with batched
+kernels that stream rows at the one-token kernels' rate. A node whose batched kernels cannot be had (no TVM
+compiler to build the split kernels, a part on the GPU) runs per sequence in either mode.
 
 ``BatchRunner`` holds the KV cache of each slot (one arena per past input, ``max_seq_len`` positions), prefills a
-slot with the session's prefill graph on that slot's arenas, and decodes any set of slots in one call (graphs
-are built per batch size on first use).
+slot (or a chunk of its prompt) with the session's prefill graph on that slot's arenas, and decodes any set of
+slots in one call (graphs are built per batch size on first use).
 """
 from __future__ import annotations
 
@@ -32,13 +40,18 @@ import torch
 from torch import Tensor, fx
 
 from picompile.ir.schema import args_of, node_op
+from picompile.runtime.batch_ffn import batched_hybrid, batched_part, split_kernels
+from picompile.runtime.batch_predict import batched_predict, gemv_kernel
+from picompile.runtime.hybrid import HYBRID_MASKS, HybridFFN, hybrid_args
+from picompile.runtime.partitions import PART_WEIGHTS, EmptyPartition, InlinePartition, ThreadPartition
 
 _ARENA = re.compile(r"^kv_arena(\d+)$")
 
 
-def batched_linear(xs: Sequence[Tensor], w: Tensor, b: Tensor | None, kernel: str) -> list[Tensor]:
+def batched_linear(xs: Sequence[Tensor], w: Tensor, b: Tensor | None, kernel: str,
+                   s: Tensor | None = None) -> list[Tensor]:
     """``tvm_linear`` for several tokens at once: xs (B tensors [..., d_in], one token each) → B outputs [..., d_out],
-    by the kernel's batched form (one pass over the weight rows for all B)."""
+    by the kernel's batched form (one pass over the weight rows for all B; int8 / int4: w's quants, s its scales)."""
     from picompile.kernels import aligned_empty, as_aligned
     from picompile.kernels.table import find_kernel
 
@@ -47,7 +60,10 @@ def batched_linear(xs: Sequence[Tensor], w: Tensor, b: Tensor | None, kernel: st
         raise RuntimeError(f"TVM kernel {kernel} (linear) is not loaded")
     x = as_aligned(torch.cat([t.reshape(1, -1) for t in xs]))  # [B, d_in]
     y = aligned_empty((len(xs), w.shape[0]))  # [B, d_out]
-    kern.unchecked(x, w, None, None, _rows(w.shape[0]), y)  # type: ignore[attr-defined]
+    if s is None:
+        kern.unchecked(x, w, None, None, _rows(w.shape[0]), y)  # type: ignore[attr-defined]
+    else:
+        kern.unchecked(x, w, s, None, None, None, _rows(w.shape[0]), y)  # type: ignore[attr-defined]
     if b is not None:
         y += b
     return [y[i].reshape(*t.shape[:-1], w.shape[0]) for i, t in enumerate(xs)]
@@ -70,7 +86,100 @@ def _batchable(node: fx.Node) -> bool:
     return isinstance(a.get("kernel"), str) and bool(a["kernel"]) and not isinstance(a.get("x"), (list, tuple))
 
 
-def batch_graph(gm: fx.GraphModule, n_past: int, batch: int) -> tuple[fx.GraphModule, int]:
+_Builder = Callable[[fx.Node, list[dict[fx.Node, Any]]], tuple[Callable[..., Any], tuple[Any, ...]]]
+_UNBATCHED: dict[str, str] = {}  # fused kernel key (or "predictor N") -> why it runs per sequence ("" = batched)
+
+
+def _splittable(key: Any) -> bool:
+    """Whether the fused CPU FFN kernel ``key``'s split kernels (``batch_ffn.split_kernels``) can be had."""
+    if not isinstance(key, str) or not key:
+        return False
+    if key not in _UNBATCHED:
+        try:
+            split_kernels(key)
+            _UNBATCHED[key] = ""
+        except Exception as e:  # no TVM compiler (source="artifact"), a CUDA kernel, …: per-sequence FFN
+            _UNBATCHED[key] = f"{type(e).__name__}: {e}"
+    return not _UNBATCHED[key]
+
+
+def _part_kernel(part: Any) -> str | None:
+    """A HybridFFN partition's fused CPU kernel key ("" for no rows), or None when it cannot be batched."""
+    if isinstance(part, EmptyPartition):
+        return ""
+    if isinstance(part, (InlinePartition, ThreadPartition)):
+        key = part.part.consts.get("kernel", "")
+        return key if key == "" or _splittable(key) else None
+    return None  # on the GPU: per sequence
+
+
+def _batchable_ffn(node: fx.Node) -> _Builder | None:
+    """How the B copies of a sparse FFN node become one union-masked call (``runtime/batch_ffn.py``), or None."""
+    if node.op != "call_function":
+        return None
+    if isinstance(node.target, HybridFFN):
+        keys = (_part_kernel(node.target.hot), _part_kernel(node.target.cold))
+        if None in keys:
+            return None
+
+        def hybrid(node: fx.Node, envs: list[dict[fx.Node, Any]]) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+            a = hybrid_args(node)
+            e0 = envs[0]
+            weights = {n: e0[a[n]] if isinstance(a[n], fx.Node) else a[n] for n in a if n not in ("x", *HYBRID_MASKS)}
+            hot = tuple(weights[n + "_h"] for n in PART_WEIGHTS)
+            cold = tuple(weights[n + "_c"] for n in PART_WEIGHTS)
+            xs = [env[a["x"]] for env in envs]
+            mh = [env[a["mask_h"]] if isinstance(a["mask_h"], fx.Node) else None for env in envs]
+            mc = [env[a["mask_c"]] if isinstance(a["mask_c"], fx.Node) else None for env in envs]
+            return batched_hybrid, (xs, hot, mh, cold, mc, weights["bias"], keys[0], keys[1])
+
+        return hybrid
+    if node_op(node) == "tvm_predict":
+        return _batchable_predict(node)
+    if node_op(node) != "tvm_sparse_ffn":
+        return None
+    a = args_of(node)
+    if isinstance(a.get("x"), (list, tuple)) or not (a.get("kernel") == "" or _splittable(a.get("kernel"))):
+        return None
+
+    def part(node: fx.Node, envs: list[dict[fx.Node, Any]]) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        a = args_of(node)
+        e0 = envs[0]
+        w = {n: e0[a[n]] if isinstance(a.get(n), fx.Node) else a.get(n)
+             for n in (*PART_WEIGHTS, "s_up", "s_gate", "s_down")}
+        xs = [env[a["x"]] for env in envs]
+        masks = [env[a["mask"]] if isinstance(a.get("mask"), fx.Node) else None for env in envs]
+        return batched_part, (xs, w["w_up"], w["b_up"], w["w_gate"], w["w_down_t"], masks, a["kernel"],
+                              w["s_up"], w["s_gate"], w["s_down"])
+
+    return part
+
+
+def _batchable_predict(node: fx.Node) -> _Builder | None:
+    """How the B copies of a ``tvm_predict`` node become one ``batched_predict`` call, or None (per sequence)."""
+    a = args_of(node)
+    fc1, fc2 = a.get("fc1"), a.get("fc2")
+    shapes = [getattr(t, "meta", {}).get("val") for t in (fc1, fc2)]
+    if isinstance(a.get("x"), (list, tuple)) or a.get("act") not in ("relu", "none") or None in shapes:
+        return None
+    try:  # both kernels compile (or come from the cache) here, once per shape
+        gemv_kernel(shapes[0].shape[0], shapes[0].shape[1], shapes[0].dtype, str(a["act"]))
+        gemv_kernel(shapes[1].shape[0], shapes[1].shape[1], shapes[1].dtype, "none")
+    except Exception as e:
+        _UNBATCHED[f"predictor {a.get('layer')}"] = f"{type(e).__name__}: {e}"
+        return None
+
+    def predict(node: fx.Node, envs: list[dict[fx.Node, Any]]) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        a = args_of(node)
+        e0 = envs[0]
+        offset = e0[a["offset"]] if isinstance(a.get("offset"), fx.Node) else None
+        return batched_predict, ([env[a["x"]] for env in envs], e0[a["fc1"]], e0[a["fc2"]], float(a["threshold"]),
+                                 str(a["act"]), offset)
+
+    return predict
+
+
+def batch_graph(gm: fx.GraphModule, n_past: int, batch: int, union_ffn: bool = False) -> tuple[fx.GraphModule, int]:
     """The B-sequence form of the arena decode graph ``gm`` (see the module docstring). Its inputs, per sequence
     in order: ids [1, 1], n_past past views (read only for their length), n_past arenas; it returns the B logits.
     Also returns how many linear calls are shared."""
@@ -86,7 +195,7 @@ def batch_graph(gm: fx.GraphModule, n_past: int, batch: int) -> tuple[fx.GraphMo
             envs[b][n].meta.update(n.meta)
         for i, n in arenas:
             envs[b][n] = new.placeholder(f"arena{i}_s{b}")
-    n_shared = 0
+    n_shared = n_ffn = 0
     outputs: list[Any] = []
     for node in src.nodes:
         if node.op == "placeholder" or (node.op == "get_attr" and _ARENA.match(str(node.target))):
@@ -105,18 +214,28 @@ def batch_graph(gm: fx.GraphModule, n_past: int, batch: int) -> tuple[fx.GraphMo
             a = args_of(node)
             w, bias = a["w"], a.get("b")
             xs = [env[a["x"]] for env in envs]
+            scale = a.get("s")
             call = new.call_function(batched_linear, (xs, envs[0][w], envs[0][bias] if bias is not None else None,
-                                                      a["kernel"]))
+                                                      a["kernel"], envs[0][scale] if scale is not None else None))
             for b, env in enumerate(envs):
                 env[node] = new.call_function(operator.getitem, (call, b))
                 env[node].meta.update(node.meta)
             n_shared += 1
+            continue
+        ffn = _batchable_ffn(node) if union_ffn else None  # the FFN parts and predictors
+        if ffn is not None:
+            call = new.call_function(*ffn(node, envs))
+            for b, env in enumerate(envs):
+                env[node] = new.call_function(operator.getitem, (call, b))
+                env[node].meta.update(node.meta)
+            n_ffn += 1
             continue
         for env in envs:
             env[node] = new.node_copy(node, lambda a, env=env: env[a])
     new.output(tuple(outputs))
     module = fx.GraphModule(gm, new)
     module.graph.lint()
+    module.meta["batched_ffns"] = n_ffn
     return module, n_shared
 
 
@@ -127,7 +246,7 @@ class BatchRunner:
     slot's arenas after its first ``start`` positions; ``decode([(slot, token, position), …])`` runs one token of
     each listed slot in one call of the B-sequence graph and returns their logits [B, vocab]."""
 
-    def __init__(self, session: Any, slots: int) -> None:
+    def __init__(self, session: Any, slots: int, union_ffn: bool = False) -> None:
         if session.kv is None:
             raise RuntimeError(f"batched decoding needs the in-place KV cache ({session.kv_reason})")
         if session.compiled:
@@ -138,6 +257,7 @@ class BatchRunner:
         self.slots: list[list[Tensor]] = [[torch.zeros(s, dtype=d) for s, d in shapes] for _ in range(slots)]
         self._graphs: dict[int, tuple[fx.GraphModule, Callable[..., Any]]] = {}
         self.shared_linears = 0
+        self.union_ffn = union_ffn  # the FFN on the union of the batch's neurons and batched predictors (module doc)
 
     @property
     def max_seq_len(self) -> int:
@@ -145,7 +265,7 @@ class BatchRunner:
 
     def _graph(self, batch: int) -> Callable[..., Any]:
         if batch not in self._graphs:
-            gm, self.shared_linears = batch_graph(self.session.decode_graph, self.n_past, batch)
+            gm, self.shared_linears = batch_graph(self.session.decode_graph, self.n_past, batch, self.union_ffn)
             fn = gm
             if self.session.decode_torch_threads is not None:
                 from picompile.runtime.threads import with_decode_threads

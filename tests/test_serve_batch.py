@@ -25,16 +25,19 @@ def _greedy(runner: object, slots: list[int], steps: int) -> dict[int, list[int]
     return seqs
 
 
-def test_batched_decode_equals_alone(default_artifact: Path) -> None:
+@pytest.mark.parametrize("union", [False, True])
+def test_batched_decode_equals_alone(default_artifact: Path, union: bool) -> None:
     import picompile
     from picompile.runtime.batch import BatchRunner, batch_graph
 
     session = picompile.load(default_artifact)
-    runner = BatchRunner(session, len(PROMPTS))
+    runner = BatchRunner(session, len(PROMPTS), union_ffn=union)
     alone = {sl: _greedy(runner, [sl], 12)[sl] for sl in range(len(PROMPTS))}
     together = _greedy(runner, list(range(len(PROMPTS))), 12)
     assert together == alone  # token for token
-    _, shared = batch_graph(session.decode_graph, session.n_past, 3)
+    gm, shared = batch_graph(session.decode_graph, session.n_past, 3, union)
+    n_layers = sum(1 for n in session.decode_graph.graph.nodes if "predict" in str(n.target))
+    assert gm.meta["batched_ffns"] == (2 * n_layers if union else 0)  # each layer's FFN and predictor, batched
     assert shared == sum(1 for n in session.decode_graph.graph.nodes if "tvm_linear" in str(n.target)) > 0
     # each slot holds its own cache: a slot's logits after a batch equal a fresh single-slot run's
     rows = runner.decode([(0, alone[0][-1], len(alone[0]) - 1)])
@@ -62,3 +65,51 @@ def test_queue_full_is_503(default_artifact: Path) -> None:
         r = http.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
         assert http.get("/health").json()["waiting"] == 1
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int4"])
+def test_union_ffn_equals_each_alone(dtype: str, tmp_path: Path) -> None:
+    """One union-masked call for 4 tokens (overlapping masks, one empty, one full) gives each token bit for bit
+    its output with its own mask alone, and that output is the masked FFN's (float64 reference)."""
+    import torch
+
+    from picompile.kernels import KernelSpec, aligned_copies, build_kernel, load_kernel
+    from picompile.kernels.qformat import QFormat, dequantize, quantize
+    from picompile.kernels.table import add_kernel
+    from picompile.runtime.batch_ffn import batched_part
+
+    d, n = 64, 96
+    spec = KernelSpec(kind="ffn_gated", act="relu", d_model=d, n_rows=n, weight_dtype=dtype,  # type: ignore[arg-type]
+                      has_bias=False, target="llvm")
+    add_kernel(spec.key(), load_kernel(build_kernel(spec, tmp_path), spec))
+    g = torch.Generator().manual_seed(0)
+    dense = {k: torch.randn(n, d, generator=g) * 0.2 for k in ("w_up", "w_gate", "w_down_t")}
+    stored: dict[str, torch.Tensor] = {}
+    ref: dict[str, torch.Tensor] = {}  # the weights' values as the kernel reads them, float64
+    for k, w in dense.items():
+        if dtype == "int4":
+            q, s = quantize(w, QFormat("int4"))
+            stored[k], stored["s" + k[1:].split("_t")[0]] = q, s
+            ref[k] = dequantize(q, s).double()
+        else:
+            stored[k] = w.half()
+            ref[k] = stored[k].double()
+    stored = aligned_copies(stored)
+    xs = [torch.randn(1, 1, d, generator=g) for _ in range(4)]
+    masks = [torch.rand(1, 1, n, generator=g) < p for p in (0.3, 0.5, 0.0, 1.0)]
+    masks[1][..., :20] = masks[0][..., :20]  # overlapping selections
+
+    def run(idx: list[int]) -> list[torch.Tensor]:
+        return batched_part([xs[i] for i in idx], stored["w_up"], None, stored["w_gate"], stored["w_down_t"],
+                            [masks[i] for i in idx], spec.key(), stored.get("s_up"), stored.get("s_gate"),
+                            stored.get("s_down"))
+
+    together = run([0, 1, 2, 3])
+    for i in range(4):
+        (alone,) = run([i])
+        assert torch.equal(together[i], alone), i  # exact: the union's extra rows add zeros, in the same order
+        x = xs[i].reshape(d).double()
+        h = torch.relu(ref["w_gate"] @ x) * (ref["w_up"] @ x) * masks[i].reshape(n)
+        expect = h @ ref["w_down_t"]
+        assert torch.allclose(alone.reshape(d).double(), expect, rtol=1e-4, atol=1e-5), i
+    assert torch.count_nonzero(together[2]) == 0  # an empty mask: no neuron, y = 0

@@ -3,10 +3,18 @@ own, its own sampler (seeded generator, penalties) and stop state; every step de
 request in one batched graph call (``runtime/batch.py``).
 
 A new request waits in a bounded queue (``QueueFull`` past ``max_queue``: the server's 503) until a slot is
-free, is prefilled alone on its slot (its first token comes from the prefill's logits), then joins the next
-decode step. A cancelled request (a client gone mid-stream) leaves at the next step and its slot is free for
-the next one. ``close(grace)`` admits nothing more, lets the requests in flight run for ``grace`` seconds and
-cancels what is left, each with an error event, so no client is left waiting.
+free, then its prompt is prefilled on its slot in chunks of ``prefill_chunk`` tokens (positions 0..C-1, C..2C-1,
+…: the boundaries depend on the prompt alone, so a request's floats never depend on what else is in flight),
+interleaved with the running requests' decode steps: each engine iteration runs prefill chunks worth at most
+``prefill_chunk`` tokens (at least one chunk; short prompts of several requests share an iteration), then one
+decode step of every active request. A long prompt therefore delays the others' next token by one chunk's
+prefill, not by its whole prefill. The last chunk's logits give the request's first token, and it joins that
+iteration's decode step. A cancelled request (a client gone mid-stream) leaves at the next iteration and its
+slot is free for the next one. ``close(grace)`` admits nothing more, lets the requests in flight run for
+``grace`` seconds and cancels what is left, each with an error event, so no client is left waiting.
+
+``trace=True`` records what the engine did, in order (``("prefill", rid, start, n)`` per chunk, ``("token",
+rid, n_tokens)`` per token released): the tests read the interleaving from it.
 """
 from __future__ import annotations
 
@@ -53,6 +61,7 @@ class Request:
     cancelled: bool = False
     stop_at_eos: bool = True
     submitted: float = field(default_factory=time.perf_counter)
+    prefilled: int = 0  # prompt tokens already in the slot's cache
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -61,12 +70,17 @@ class Request:
 class Scheduler:
     """The engine: ``submit`` from any thread (the server's event loop), events delivered on the request's loop."""
 
-    def __init__(self, session: Any, max_batch: int = 8, max_queue: int = 64) -> None:
+    def __init__(self, session: Any, max_batch: int = 8, max_queue: int = 64, prefill_chunk: int = 128,
+                 trace: bool = False, union_ffn: bool = False) -> None:
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be at least 1, got {prefill_chunk}")
         self.session = session
-        self.runner = BatchRunner(session, max_batch)
-        self.max_batch, self.max_queue = max_batch, max_queue
+        self.runner = BatchRunner(session, max_batch, union_ffn)
+        self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
         self.waiting: deque[Request] = deque()
+        self.prefilling: list[Request] = []  # admitted (a slot each), prompt not yet all in the cache
         self.active: list[Request] = []
+        self.trace: deque[tuple[Any, ...]] | None = deque(maxlen=100_000) if trace else None
         self.free = list(range(max_batch))[::-1]
         self.cond = threading.Condition()
         self.closing = False
@@ -112,7 +126,8 @@ class Scheduler:
 
     def stats(self) -> dict[str, int]:
         with self.cond:
-            return {"active": len(self.active), "waiting": len(self.waiting), "slots": self.max_batch,
+            return {"active": len(self.active), "prefilling": len(self.prefilling), "waiting": len(self.waiting),
+                    "slots": self.max_batch,
                     "free_slots": len(self.free), "steps": self.steps, "max_batch_seen": self.max_seen_batch}
 
     # -- the engine thread -----------------------------------------------------------------------
@@ -139,6 +154,11 @@ class Scheduler:
                 self.active.remove(r)
                 self._finish(r, "the server shut down before this request finished" if expired and not r.cancelled
                              else None)
+        for r in list(self.prefilling):
+            if r.cancelled or expired:
+                self.prefilling.remove(r)
+                self._finish(r, "the server shut down before this request finished" if expired and not r.cancelled
+                             else None)
         for r in list(self.waiting):
             if r.cancelled or expired:
                 self.waiting.remove(r)
@@ -149,26 +169,49 @@ class Scheduler:
             r = self.waiting.popleft()
             r.slot = self.free.pop()
             admit.append(r)
+        self.prefilling += admit
         return admit
 
     def _loop(self) -> None:
         while True:
             with self.cond:
-                while not (self.waiting or self.active or self.closing):
+                while not (self.waiting or self.prefilling or self.active or self.closing):
                     self.cond.wait()
-                admit = self._sweep()
-                if self.closing and not (self.active or self.waiting or admit):
+                self._sweep()
+                if self.closing and not (self.active or self.waiting or self.prefilling):
                     return
-                if not admit and not self.active:
+                if not (self.prefilling or self.active):
                     self.cond.wait(0.05)  # closing with nothing to do yet
                     continue
-            for r in admit:
-                self._prefill(r)
+                chunks = self._plan_chunks()
+            for r, start, n in chunks:
+                self._prefill(r, start, n)
             with self.cond:
                 self._sweep_cancelled_only()
                 batch = [r for r in self.active if not r.cancelled]
             if batch:
                 self._step(batch)
+
+    def _plan_chunks(self) -> list[tuple[Request, int, int]]:
+        """Under the lock: this iteration's prefill chunks, (request, start, tokens), oldest request first, whole
+        chunks (boundaries at multiples of ``prefill_chunk``) worth at most ``prefill_chunk`` tokens, at least one."""
+        plan: list[tuple[Request, int, int]] = []
+        budget = self.prefill_chunk
+        for r in self.prefilling:
+            if not r.ids:  # nothing to prefill: the runner's error ends the request
+                plan.append((r, 0, 0))
+                continue
+            start = r.prefilled
+            while start < len(r.ids):
+                n = min(self.prefill_chunk - start % self.prefill_chunk, len(r.ids) - start)
+                if plan and n > budget:
+                    return plan
+                plan.append((r, start, n))
+                budget -= n
+                start += n
+                if budget <= 0:
+                    return plan
+        return plan
 
     def _sweep_cancelled_only(self) -> None:
         for r in list(self.active):
@@ -176,17 +219,33 @@ class Scheduler:
                 self.active.remove(r)
                 self._finish(r)
 
-    def _prefill(self, r: Request) -> None:
+    def _record(self, *event: Any) -> None:
+        if self.trace is not None:
+            self.trace.append(event)
+
+    def _prefill(self, r: Request, start: int, n: int) -> None:
+        """Prompt tokens start..start+n-1 of ``r`` into its slot; after the last chunk, its first token."""
+        if r.cancelled or r.slot < 0:
+            return
         try:
-            r.gen = Generation(self.session.tokenizer, r.ids, r.max_tokens, r.params,
-                               self.eos if r.stop_at_eos else set())
-            logits = self.runner.prefill(r.slot, r.ids)[-1]
+            if r.gen is None:
+                r.gen = Generation(self.session.tokenizer, r.ids, r.max_tokens, r.params,
+                                   self.eos if r.stop_at_eos else set())
+            logits = self.runner.prefill(r.slot, r.ids[start:start + n], start)[-1]
+            r.prefilled = start + n
+            self._record("prefill", r.rid, start, n)
+            if r.prefilled < len(r.ids):
+                return
             self._advance(r, logits)
         except Exception as e:  # a request that cannot run fails alone
             with self.cond:
+                if r in self.prefilling:
+                    self.prefilling.remove(r)
                 self._finish(r, f"{type(e).__name__}: {e}")
             return
         with self.cond:
+            if r in self.prefilling:
+                self.prefilling.remove(r)
             if r.gen.done:
                 self._finish(r)
             else:
@@ -196,6 +255,7 @@ class Scheduler:
         assert r.gen is not None
         r.gen.advance(logits)
         g = r.gen
+        self._record("token", r.rid, len(g.tokens))
         self._emit(r, Event(g.delta, g.finish_reason, len(g.tokens)))
 
     def _step(self, batch: list[Request]) -> None:

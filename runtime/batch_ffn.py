@@ -1,0 +1,126 @@
+"""The sparse FFN of several sequences' decode tokens in one pass over the union of their predicted neurons, each
+token's output exactly what it is alone.
+
+One FFN partition (hot or cold rows), B tokens, each with its own predicted mask:
+
+    idx  = rows any token's mask selects (ascending)                          # [k] int32
+    h    = act(w_gate[idx] · x_t) * (w_up[idx] · x_t + b_up[idx])              # [B, k]  (``<up>_batch``)
+    h[t, j] = 0 where token t's mask does not select idx[j]                   # each token's own mask
+    y_t  = Σ_j h[t, j] · w_down_t[idx[j]]   over the j where some h[:, j] ≠ 0  # [B, d]  (``<down>_batch``)
+
+Two kernel calls per partition, each weight row read once for all B tokens. The fused ``ffn_*`` kernel (one
+call) cannot be used: it has no per-token mask, and it cuts the rows into ``cores`` contiguous parts whose
+partial sums it adds last, so where a row falls — and so the rounding — would depend on the union. The split
+kinds keep every output element's sum independent of the union: ``up*`` computes each (row, token) dot product by
+itself, and ``down`` (parallel over column chunks of y) adds its rows one after the other in ascending order, so
+the rows another token added contribute exact zeros, and a token's ``y`` is bit for bit the one it gets with
+its own mask alone (B = 1 through this same path: ``tests/test_serve_batch.py``). Rows whose ``h`` is 0 for
+every token (ReLU gates that did not fire) are dropped before the down call, as the one-token kernel's
+``skip_inactive`` does.
+
+The split kernels are not in the artifact: they are compiled on this machine from the fused kernel's spec
+(kind ``up_gated`` / ``up`` and ``down``, same shapes and dtype; ~1 s each, then from the kernel cache), as the
+runtime's kernel loader compiles every artifact kernel (``runtime/loader.py``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+_SPLIT: dict[str, tuple[Any, Any]] = {}  # fused kernel key -> (up kernel, down kernel)
+
+
+def split_kernels(key: str) -> tuple[Any, Any]:
+    """The (``up_gated`` | ``up``, ``down``) CPU kernels of the fused FFN kernel ``key`` (compiled or taken from
+    the kernel cache on first use). Raises RuntimeError when ``key`` is not a loaded fused CPU kernel."""
+    if key in _SPLIT:
+        return _SPLIT[key]
+    from picompile.config import kernel_cache_dir
+    from picompile.kernels import build_kernel, load_kernel
+    from picompile.kernels.table import add_kernel, find_kernel
+
+    fused = find_kernel(key)
+    spec = getattr(fused, "spec", None)
+    if spec is None or spec.is_cuda or spec.kind not in ("ffn_gated", "ffn_relu"):
+        raise RuntimeError(f"kernel {key} is not a loaded fused CPU FFN kernel")
+    up_spec = dataclasses.replace(spec, kind="up_gated" if spec.kind == "ffn_gated" else "up")
+    down_spec = dataclasses.replace(spec, kind="down", act="none", has_bias=False)
+    pair = []
+    for s in (up_spec, down_spec):
+        kern = find_kernel(s.key())
+        if kern is None:
+            kern = load_kernel(build_kernel(s, kernel_cache_dir()), s)
+            add_kernel(s.key(), kern)
+        pair.append(kern)
+    _SPLIT[key] = (pair[0], pair[1])
+    return _SPLIT[key]
+
+
+def batched_part(
+    xs: Sequence[Tensor],  # B tensors [..., d_model], one token each
+    w_up: Optional[Tensor],  # [k, d_model] (int8 / int4: quants); None or k = 0: no rows
+    b_up: Optional[Tensor],  # [k]
+    w_gate: Optional[Tensor],  # [k, d_model]
+    w_down_t: Tensor,  # [k, d_model]
+    masks: Sequence[Optional[Tensor]],  # B tensors [..., k] bool, or None (every row)
+    kernel: str,  # the part's fused CPU kernel key ("" = no rows)
+    s_up: Optional[Tensor] = None,  # [k, d_model / block] float16 scales (quantized weights)
+    s_gate: Optional[Tensor] = None,
+    s_down: Optional[Tensor] = None,
+) -> list[Tensor]:
+    """One FFN partition for B tokens over the union of their masks, each token masked by its own (module
+    docstring) → B outputs [..., d_model] (without b_down: the merge adds it)."""
+    from picompile.kernels import aligned_empty, as_aligned
+
+    if not kernel or w_up is None or w_up.shape[0] == 0:  # a part with no rows (all on the other device)
+        return [torch.zeros_like(x) for x in xs]
+    d, n_rows, b = xs[0].shape[-1], w_up.shape[0], len(xs)
+    up, down = split_kernels(kernel)
+    x = as_aligned(torch.cat([t.reshape(1, d) for t in xs]))  # [B, d_model]
+    if any(m is None for m in masks):
+        sel = torch.ones((b, n_rows), dtype=torch.bool)
+        for i, m in enumerate(masks):
+            if m is not None:
+                sel[i] = m.reshape(n_rows)
+    else:
+        sel = torch.cat([m.reshape(1, n_rows) for m in masks])  # type: ignore[union-attr]  # [B, n_rows]
+    idx = sel.any(0).nonzero().squeeze(1).to(torch.int32)  # [k_union]
+    h = aligned_empty((b, idx.numel()))  # [B, k_union]
+    if s_up is None:
+        up.unchecked(x, w_up, w_gate, b_up, idx, h)
+    else:
+        up.unchecked(x, w_up, s_up, w_gate, s_gate, b_up, idx, h)
+    if b > 1:
+        h.masked_fill_(~sel.index_select(1, idx), 0.0)  # each token's own neurons only
+    live = h.ne(0).any(0)  # [k_union]: rows some token needs
+    if not bool(live.all()):
+        idx = idx[live]
+        h = as_aligned(h[:, live].contiguous())
+    y = aligned_empty((b, d))  # [B, d_model]
+    if s_down is None:
+        down.unchecked(h, w_down_t, idx, y)
+    else:
+        down.unchecked(h, w_down_t, s_down, idx, y)
+    return [y[i].reshape(xs[i].shape) for i in range(b)]
+
+
+def batched_hybrid(
+    xs: Sequence[Tensor],  # B tensors [..., d_model]
+    hot: tuple[Tensor, Optional[Tensor], Optional[Tensor], Tensor],  # w_up, b_up, w_gate, w_down_t [k_hot, …]
+    masks_h: Sequence[Optional[Tensor]],  # B tensors [..., k_hot] bool
+    cold: tuple[Tensor, Optional[Tensor], Optional[Tensor], Tensor],  # [k_cold, …]
+    masks_c: Sequence[Optional[Tensor]],  # B tensors [..., k_cold] bool
+    bias: Optional[Tensor],  # [d_model] b_down
+    hot_kernel: str,
+    cold_kernel: str,
+) -> list[Tensor]:
+    """A ``HybridFFN`` layer (runtime/hybrid.py) for B tokens: each part by :func:`batched_part`, then per token
+    ``merge_parts`` (hot + cold (+ b_down), the one-token order) → B outputs [..., d_model]."""
+    from picompile.runtime.hybrid import merge_parts
+
+    ys_h = batched_part(xs, *hot, masks_h, hot_kernel)
+    ys_c = batched_part(xs, *cold, masks_c, cold_kernel)
+    return [merge_parts(h, c, bias) for h, c in zip(ys_h, ys_c)]

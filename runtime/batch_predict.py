@@ -1,0 +1,75 @@
+"""The activation predictors of several sequences' decode tokens in two batched GEMVs instead of one predictor
+kernel call per token.
+
+``tvm_predict`` (one token: the ``predict`` kernel, ``mask = fc2 act(fc1 x) + offset > thr``) for B tokens:
+
+    h      = act(fc1 · x_t)          # [B, rank]     (kind ``up``, act relu | none, ``<key>_batch``)
+    scores = fc2 · h_t               # [B, n_rows]   (kind ``up``, act none)
+    mask   = scores + offset > thr   # [B, n_rows] bool
+
+each predictor row read once for all B. Every (row, token) dot product is computed by itself, in the same order
+whatever B is, so a token's mask never depends on the others' (B = 1 in ``serve`` takes this same path). Its
+floats are not the fused ``predict`` kernel's (another summation order), so ``serve``'s masks can differ from
+``run``'s where a score is within rounding of the threshold, as its GEMVs already do (``runtime/batch.py``).
+The two ``up`` kernels are compiled on this machine (or taken from the kernel cache) on first use.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+_DTYPES: dict[torch.dtype, str] = {torch.float16: "float16", torch.float32: "float32"}
+_GEMV: dict[tuple[int, int, str, str], Any] = {}  # (n_rows, d, dtype, act) -> the up kernel
+
+
+def gemv_kernel(n_rows: int, d: int, dtype: torch.dtype, act: str) -> Any:
+    """The CPU ``up`` kernel over every row of a [n_rows, d] weight of ``dtype``, with ``act``; compiled or taken
+    from the kernel cache on first use. Raises for a dtype the kernels do not take."""
+    name = _DTYPES.get(dtype)
+    if name is None:
+        raise RuntimeError(f"no batched predictor kernel for {dtype} weights")
+    key = (n_rows, d, name, act)
+    if key not in _GEMV:
+        from picompile.config import kernel_cache_dir
+        from picompile.kernels import KernelSpec, build_kernel, load_kernel
+
+        spec = KernelSpec(kind="up", act=act, d_model=d, n_rows=n_rows, weight_dtype=name,  # type: ignore[arg-type]
+                          has_bias=False, target="llvm")
+        _GEMV[key] = load_kernel(build_kernel(spec, kernel_cache_dir()), spec)
+    return _GEMV[key]
+
+
+_ROWS: dict[int, Tensor] = {}
+
+
+def _rows(n: int) -> Tensor:
+    if n not in _ROWS:
+        _ROWS[n] = torch.arange(n, dtype=torch.int32)
+    return _ROWS[n]
+
+
+def batched_predict(
+    xs: Sequence[Tensor],  # B tensors [..., d_model], one token each
+    fc1: Tensor,  # [rank, d_model]
+    fc2: Tensor,  # [n_neurons, rank]
+    threshold: float,
+    act: str,  # between fc1 and fc2: "relu" | "none"
+    offset: Optional[Tensor] = None,  # [n_neurons] float32
+) -> list[Tensor]:
+    """B tokens' predicted masks (module docstring) → B tensors [..., n_neurons] bool."""
+    from picompile.kernels import aligned_empty, as_aligned
+
+    rank, d = fc1.shape
+    n = fc2.shape[0]
+    b = len(xs)
+    x = as_aligned(torch.cat([t.reshape(1, d) for t in xs]))  # [B, d_model]
+    h = aligned_empty((b, rank))  # [B, rank]
+    gemv_kernel(rank, d, fc1.dtype, act).unchecked(x, fc1, None, None, _rows(rank), h)
+    scores = aligned_empty((b, n))  # [B, n_neurons]
+    gemv_kernel(n, rank, fc2.dtype, "none").unchecked(h, fc2, None, None, _rows(n), scores)
+    if offset is not None:
+        scores += offset
+    mask = scores > threshold  # [B, n_neurons]
+    return [mask[i].reshape(*xs[i].shape[:-1], n) for i in range(b)]
