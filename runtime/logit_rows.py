@@ -29,7 +29,11 @@ class LogitRows:
         self.__name__ = "logit_rows"  # fx's code generation names the call after it
 
     def __call__(self, x: Tensor) -> Tensor:  # x [..., T, d_model] → [..., T | 1, d_model]
-        return x[..., -1:, :] if self.last and x.dim() >= 2 else x
+        if not self.last or x.dim() < 2:
+            return x
+        # a copy with standard strides: the slice's batch stride (T·d) makes torch's matmul give a [1, 1, d]
+        # input the bmm path, which copies a transposed bfloat16 weight per call (2 s for a 32000-row lm_head)
+        return x[..., -1:, :].clone(memory_format=torch.contiguous_format)
 
     @contextlib.contextmanager
     def last_only(self) -> Iterator[None]:

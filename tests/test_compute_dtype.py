@@ -211,3 +211,7 @@ def test_last_logits(f16_cpu_artifact: Path) -> None:
         ref = s.decoder()  # (one decoder at a time: dec's cache is overwritten from here)
         assert ref.feed(PROMPT).shape == full.shape
         torch.testing.assert_close(after_last, ref.feed([9]), rtol=0, atol=0)  # the same cache either way
+    rows = LogitRows()
+    with rows.last_only():  # the last row with standard strides (a sliced [1, 1, d] sends torch's bfloat16
+        cut = rows(torch.randn(1, 5, 8))  # matmul to a bmm that copies the transposed weight per call)
+    assert cut.shape == (1, 1, 8) and cut.stride() == (8, 8, 1) and rows(torch.ones(1, 5, 8)).shape == (1, 5, 8)
