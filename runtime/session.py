@@ -254,7 +254,9 @@ class Decoder:
         batch = torch.tensor([tokens])
         s._check_room(self.length, len(tokens))
         if s.kv is None:
-            logits, self._past = s.step(batch, self._past if self._past is not None else s.empty_past())
+            rows = s.logit_rows if last_only and len(tokens) > 1 else None
+            with rows.last_only() if rows is not None else contextlib.nullcontext():
+                logits, self._past = s.step(batch, self._past if self._past is not None else s.empty_past())
             logits = logits[-1:] if last_only else logits
         else:
             if self.length and self._version != s._kv_version:
