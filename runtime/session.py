@@ -16,6 +16,7 @@ from picompile.runtime.compute_dtype import choose_for as choose_prefill_dtype
 from picompile.runtime.compute_dtype import resolve as resolve_compute_dtype
 from picompile.runtime.kv_cache import KVArenas
 from picompile.runtime.load_pipeline import LoadOptions, LoadRun, LoadState, session_steps
+from picompile.runtime.logit_rows import LogitRows
 from picompile.runtime.sampling import Generation, SamplingParams
 from picompile.runtime.threads import torch_weight_reads, with_decode_threads
 
@@ -63,7 +64,7 @@ class Session:
         self.kv: KVArenas | None = notes.get("kv")  # the in-place KV cache (None: every step concatenates the past)
         self.kv_reason: str = notes.get("kv_reason", "kv_in_place=False")
         # lm_head for the last prompt position only, when a caller asks (runtime/logit_rows.py; None: every row)
-        self.logit_rows = notes.get("logit_rows")
+        self.logit_rows: LogitRows | None = notes.get("logit_rows")
         assert state.decode is not None and state.prefill is not None
         decode_run, prefill_run = state.decode, state.prefill
         self.decode_graph, self.prefill_graph = decode_run, prefill_run  # the forms steps run (runtime/batch.py)
