@@ -1,4 +1,4 @@
-"""Prefill of a float16 artifact per prefill path, side by side in one process (or one path per process).
+"""Prefill of a float16 or int8 / int4 artifact per prefill path, side by side in one process (or one path per process).
 
     python benchmarks/prefill.py ART [--prompt-len 64,512] [--rounds 5] [--settings auto,weights,float16,bfloat16]
     python benchmarks/prefill.py --gemm [--prompt-len 64,512] [--rounds 5] [--shape 2048,5632]
@@ -13,7 +13,11 @@ packed FFN's fused up+gate ``[2·n_ff, d_model]`` and down ``[d_model, n_ff]`` G
 float32 for a call with a transposed weight or ``WIDEN_ROWS``+ rows of x. ``float16``: the same session with
 torch's float16 GEMM for every call (very slow on those CPUs). ``bfloat16``: ``prefill_dtype="bfloat16"``
 (bfloat16 copies; hybrid FFN layers as one packed ``PrefillFFN``, ``runtime/prefill_gemm.py``). ``auto``: the
-default load (``runtime/compute_dtype.choose``; it prints which dtype it chose). Each round runs one prefill of
+default load (``runtime/compute_dtype.choose``; it prints which dtype it chose). On an int8 / int4 artifact
+``weights`` dequantizes each weight to float32 per call (``ops.deq``) and ``auto`` takes the bfloat16 copies
+where this CPU has a fast bfloat16 GEMM and the copy fits. Each prefill computes every position's logits
+(``session.logits``); generation computes only the last one's (``Decoder.feed(ids, last_only=True)``):
+``--last-only`` times that. Each round runs one prefill of
 each setting (interleaved; medians), from an empty KV cache, the same seeded prompt; prompt logits are compared
 with the first setting's. Sessions of one process share the machine's memory: run the settings of a 1B model
 in processes of their own (``--settings auto``, then ``--settings weights``). Not a test.
@@ -77,6 +81,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", default="64,512", help="comma-separated prompt lengths (default 64,512)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--settings", default="auto,weights", help=f"comma-separated, of {', '.join(SETTINGS)}")
+    ap.add_argument("--last-only", action="store_true", help="the last position's logits only, as generation")
     args = ap.parse_args()
     if args.gemm:
         d_model, n_ff = (int(v) for v in args.shape.split(","))
@@ -115,7 +120,10 @@ def main() -> None:
                 ops.native_half_gemm = (lambda v=native: v)  # type: ignore[assignment]
                 try:
                     start = time.perf_counter()
-                    logits[name] = sessions[name].logits(ids)
+                    if args.last_only:
+                        logits[name] = sessions[name].decoder().feed(ids, last_only=True)
+                    else:
+                        logits[name] = sessions[name].logits(ids)
                     times[name].append(time.perf_counter() - start)
                 finally:
                     ops.native_half_gemm = real  # type: ignore[assignment]

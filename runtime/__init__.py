@@ -25,7 +25,8 @@ def load(path: str | Path, verify: bool = True, dense: bool = False, hybrid: str
     ``prefill_dtype="bfloat16"`` runs the prompt's GEMMs in bfloat16 (AMX / AVX512-BF16 CPUs only; a
     bfloat16 copy of the weights it converts, ~3e-3 relative error per GEMM; see ``runtime/compute_dtype.py``);
     decode is unchanged. ``"auto"`` (or None, the default) picks bfloat16 for float16 artifacts on CPUs with
-    AVX512-BF16 and no native float16 GEMM where the copy fits in memory, else the weights' dtype
+    AVX512-BF16 and no native float16 GEMM, and for int8 / int4 artifacts on CPUs with AMX or AVX512-BF16, where
+    the copy fits in memory, else the weights' dtype
     (``"weights"``); ``session.prefill_dtype`` / ``prefill_reason`` say which and why.
 
     The graph rewrites of the load are a named list of steps (``runtime/load_pipeline.py``), which these
@@ -62,7 +63,7 @@ def load(path: str | Path, verify: bool = True, dense: bool = False, hybrid: str
     manifest = read_manifest(root, verify=verify)
     from picompile.runtime.compute_dtype import choose_for
 
-    prefill_dtype, prefill_reason = choose_for(prefill_dtype, manifest)  # "auto": per CPU, artifact and memory
+    prefill_dtype, prefill_reason = choose_for(prefill_dtype, manifest, root)  # "auto": per CPU, artifact, memory
     if compile:
         from picompile.runtime.compile import transparent_mode
         from picompile.targets import Target

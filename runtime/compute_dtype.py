@@ -16,12 +16,16 @@ alternative is widening every weight to float32 per call, when the copy fits in 
 ``RESERVE_BYTES`` to spare (and the artifact has kernels: the reference pipeline's keeps exact reference math);
 elsewhere the weights' own dtype (AMX CPUs keep their native float16 GEMM; float32
 artifacts keep float32). ``"weights"`` is the weights' own dtype, ``"bfloat16"`` forces the copy.
-Quantized weights (int8 / int4 artifacts) get dequantized copies in
-``dtype`` (their scales dropped from the prefill nodes): the memory of a bfloat16 model besides the quantized one.
+Quantized weights (int8 / int4 artifacts) get dequantized copies in ``dtype`` (their scales dropped from the
+prefill nodes): the memory of a bfloat16 model besides the quantized one. ``"auto"`` takes that copy on any CPU
+with a fast bfloat16 GEMM (AMX or AVX512-BF16) where it fits (:func:`copy_bytes`: the dequantized size, from the
+weight file's header): the weights' own path dequantizes each weight to float32 per call and runs a float32
+GEMM, ~5-10x slower; where it does not fit, or without such a GEMM, prefill keeps that path.
 """
 from __future__ import annotations
 
 import operator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -89,10 +93,31 @@ def _meminfo() -> dict[str, int]:
     return out
 
 
+QUANTIZED = ("int8", "int4")  # weight dtypes whose prefill dequantizes (``ops.deq``) without a copy
+
+
+def _fits(copy_bytes: int) -> tuple[bool, str]:
+    """Whether a copy of ``copy_bytes`` leaves ``RESERVE_BYTES`` (or an eighth of the machine's memory, if more)
+    available, and, when not, the sentence saying so."""
+    mem = _meminfo()
+    spare = mem.get("MemAvailable", 0) - copy_bytes
+    reserve = max(RESERVE_BYTES, mem.get("MemTotal", 0) // 8)
+    if spare >= reserve:
+        return True, ""
+    return False, (f"a bfloat16 copy ({copy_bytes / 2**30:.1f} GiB) would leave {max(spare, 0) / 2**30:.1f} GiB "
+                   f"available, under the {reserve / 2**30:.1f} GiB kept free")
+
+
 def choose(name: str | None, weight_dtype: str, copy_bytes: int, kernels: bool = True) -> tuple[str | None, str]:
     """The prefill dtype a load runs ("bfloat16", or None: the weights' own) and why, for ``prefill_dtype``
-    ``name`` on an artifact whose GEMM weights are ``weight_dtype``, a copy of which costs ``copy_bytes``;
-    ``kernels``: the artifact has TVM kernels (without, it is the reference pipeline's: exact reference math)."""
+    ``name`` on an artifact whose GEMM weights are ``weight_dtype``, a bfloat16 copy of which costs
+    ``copy_bytes``; ``kernels``: the artifact has TVM kernels (without, it is the reference pipeline's: exact
+    reference math).
+
+    float16 weights: bfloat16 on AVX512-BF16 without a native float16 GEMM (AMX keeps its float16 GEMM).
+    int8 / int4 weights: bfloat16 on any CPU with a fast bfloat16 GEMM (AMX or AVX512-BF16): their own path
+    dequantizes every weight to float32 per call and runs a float32 GEMM, 5–10x slower on the 1B model here.
+    Either only where the copy fits (``_fits``); otherwise the weights' own path, saying why."""
     if name not in (None, "auto"):
         resolve(name)
         return (None, "prefill_dtype='weights'") if name == "weights" else (name, f"prefill_dtype={name!r}")
@@ -100,29 +125,66 @@ def choose(name: str | None, weight_dtype: str, copy_bytes: int, kernels: bool =
 
     if not kernels:
         return None, "auto: an artifact of reference ops (no kernels) keeps the reference math"
+    if weight_dtype in QUANTIZED:
+        per_call = f"({weight_dtype} weights dequantized to float32 per call)"
+        if not has_bf16_gemm():
+            return None, f"auto: no AMX or AVX512-BF16 here {per_call}"
+        fits, why = _fits(copy_bytes)
+        if not fits:
+            return None, f"auto: {why} {per_call}"
+        return "bfloat16", (f"auto: {weight_dtype} weights with a fast bfloat16 GEMM here; bfloat16 copy "
+                            f"{copy_bytes / 2**30:.1f} GiB, dequantized once at load")
     if weight_dtype != "float16":
         return None, f"auto: {weight_dtype} weights keep their dtype"
     if native_half_gemm():
         return None, "auto: this CPU has a native float16 GEMM (AMX)"
     if not torch.cpu._is_avx512_bf16_supported():
         return None, "auto: no AVX512-BF16 here (float16 weights widened to float32 per call)"
-    mem = _meminfo()
-    spare = mem.get("MemAvailable", 0) - copy_bytes
-    reserve = max(RESERVE_BYTES, mem.get("MemTotal", 0) // 8)
-    if spare < reserve:
-        return None, (f"auto: a bfloat16 copy ({copy_bytes / 2**30:.1f} GiB) would leave "
-                      f"{max(spare, 0) / 2**30:.1f} GiB available, under the {reserve / 2**30:.1f} GiB kept free "
-                      "(float16 weights widened to float32 per call)")
+    fits, why = _fits(copy_bytes)
+    if not fits:
+        return None, f"auto: {why} (float16 weights widened to float32 per call)"
     return "bfloat16", (f"auto: AVX512-BF16 without a native float16 GEMM; bfloat16 copy "
                         f"{copy_bytes / 2**30:.1f} GiB")
 
 
-def choose_for(name: str | None, manifest: Any) -> tuple[str | None, str]:
-    """:func:`choose` for an artifact's manifest: its weights' dtype, the bytes of its weight file (a bound on
-    the copy: embeddings and norms are in it too, and stay as they are)."""
+# bytes a weight's bfloat16 copy takes per byte of its quants (int4: two weights a byte)
+_COPY_PER_QUANT_BYTE = {"int8": 2, "int4": 4}
+
+
+def copy_bytes(manifest: Any, root: Path | None = None) -> int:
+    """The bytes of the bfloat16 copy prefill would make: for int8 / int4 weights, their dequantized size (read
+    from the weight file's header under ``root``; without it bounded from the file's size, everything in it
+    counted as quants); for float weights the file's size (a bound: embeddings and norms stay as they are)."""
     file = str(manifest.weights.get("file", ""))
+    size = int(manifest.files.get(file, {}).get("bytes", 0))
+    wdtype = str(manifest.weights.get("dtype", "float32"))
+    if wdtype not in QUANTIZED:
+        return size
+    quantized = manifest.weights.get("quantized") or {}
+    header: dict[str, dict[str, object]] | None = None
+    if root is not None and file:
+        from picompile.formats.tensorfile import TensorFileError, read_header
+
+        try:
+            header = read_header(Path(root) / file)[1]
+        except (OSError, TensorFileError):
+            header = None  # the load reports a bad file itself
+    if header is None:
+        return size * _COPY_PER_QUANT_BYTE[wdtype]
+    total = 0
+    for key, meta in quantized.items():
+        entry = header.get(key)
+        if entry is None:
+            continue
+        lo, hi = entry["data_offsets"]  # type: ignore[misc]
+        total += (int(hi) - int(lo)) * _COPY_PER_QUANT_BYTE.get(str(meta.get("format")), 2)
+    return total
+
+
+def choose_for(name: str | None, manifest: Any, root: Path | None = None) -> tuple[str | None, str]:
+    """:func:`choose` for an artifact's manifest (and its directory ``root``, for the copy's exact size)."""
     return choose(name, str(manifest.weights.get("dtype", manifest.build.get("weight_dtype", "float32"))),
-                  int(manifest.files.get(file, {}).get("bytes", 0)), bool(manifest.sections.get("kernels")))
+                  copy_bytes(manifest, root), bool(manifest.sections.get("kernels")))
 
 
 def _op_name(node: fx.Node) -> str | None:

@@ -3,7 +3,7 @@
 Like the build's pass pipeline (``picompile/pipeline.py``), a load runs named steps in order, and the
 runner lints the graph after each, prints it after the steps named in ``print_after``, writes one
 ``NNN_step.txt`` file per step to ``dump_ir`` and names the step in any error. Each rewrite stays in its
-module (``loader.py``, ``masks.py``, ``hybrid.py``, ``kv_cache.py``, ``compute_dtype.py``, ``compile.py``,
+module (``loader.py``, ``masks.py``, ``hybrid.py``, ``kv_cache.py``, ``compute_dtype.py``, ``logit_rows.py``, ``compile.py``,
 ``native.py``, ``decode_attention.py``); its entry in ``LOAD_STEPS`` (``load_steps.py``) gives it a name.
 
 A load rewrites up to three graphs (``LoadState``): ``graph``, the decoder step as loaded
@@ -47,6 +47,7 @@ class LoadOptions:
     dense_prefill: bool = True  # prefill computes every neuron (decode runs the masks)
     prefill_dtype: Optional[str] = None  # "bfloat16": prefill's GEMMs on bfloat16 weight copies
     kv_in_place: bool = True  # the KV cache in preallocated arenas
+    last_logits: bool = True  # (eager) prefill can compute lm_head for the last position only (logit_rows.py)
     compile: bool = False  # torch.compile'd step: opaque copies, native kernel calls, matmul attention
     native: bool = True  # (compile) the decode graph's kernel calls as C++ ops
     matmul_attention: bool = True  # (compile) decode attention as matmuls
@@ -128,6 +129,7 @@ def session_steps(o: LoadOptions) -> list[str]:
     steps = ["dense-prefill"] if o.dense_prefill else []
     steps += ["compute-dtype"] if o.prefill_dtype is not None else []
     steps += ["kv-arenas"] if o.kv_in_place else []
+    steps += ["last-logits"] if o.last_logits and not o.compile else []
     if o.compile:
         steps += ["opaque-calls", "inline-trivial"]
         steps += ["native-calls"] if o.native else []

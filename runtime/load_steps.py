@@ -3,7 +3,7 @@
 Graph steps (``load_graph``: the ``graph`` as read from graph.pt2):
 flatten-signature, bind-weights, align-weights, drop-masks, schedule-hybrid, drop-metadata-asserts,
 call-directly. Session steps (``Session``: its ``prefill`` and ``decode`` forms of that graph):
-dense-prefill, compute-dtype, kv-arenas, opaque-calls, inline-trivial, native-calls, decode-attention.
+dense-prefill, compute-dtype, kv-arenas, last-logits, opaque-calls, inline-trivial, native-calls, decode-attention.
 Which of them a load runs: ``load_pipeline.graph_steps`` / ``session_steps``.
 """
 from __future__ import annotations
@@ -106,6 +106,19 @@ def _kv_arenas(state: LoadState) -> None:
                                                                     kv.arenas)
     state.notes.update(kv=kv, kv_reason="")
     state.decode, state.prefill = kv.graph, prefill.graph
+
+
+@load_step("last-logits", ("prefill",), "lm_head's input through a LogitRows selector: the last position only "
+           "when the caller asks (notes logit_rows; logit_rows_reason when the logits are not one linear's output)")
+def _last_logits(state: LoadState) -> None:
+    from picompile.ir.graph import shared_copy
+    from picompile.runtime.logit_rows import last_logits
+
+    assert state.prefill is not None
+    if state.prefill is state.decode or state.prefill is state.graph:  # those stay as they are: a copy
+        state.prefill = shared_copy(state.prefill)
+    rows, why = last_logits(state.prefill)
+    state.notes.update(logit_rows=rows, logit_rows_reason=why)
 
 
 @load_step("opaque-calls", ("decode", "prefill"), "compiler copies (one each): picompile ops as their torch "

@@ -1,6 +1,7 @@
 """A loaded artifact: prefill + decode with a KV cache, logits, greedy or sampled generation."""
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ from picompile.runtime.compute_dtype import choose_for as choose_prefill_dtype
 from picompile.runtime.compute_dtype import resolve as resolve_compute_dtype
 from picompile.runtime.kv_cache import KVArenas
 from picompile.runtime.load_pipeline import LoadOptions, LoadRun, LoadState, session_steps
+from picompile.runtime.logit_rows import LogitRows
 from picompile.runtime.sampling import Generation, SamplingParams
 from picompile.runtime.threads import torch_weight_reads, with_decode_threads
 
@@ -51,7 +53,7 @@ class Session:
         self.last_logits: Tensor | None = None  # [n_generated, vocab]: what each generated token was chosen from
         resolve_compute_dtype(prefill_dtype)  # a bad dtype, or no fast path on this CPU: fails before any step
         if prefill_reason is None:  # not chosen by picompile.load: "auto" / None decided here
-            prefill_dtype, prefill_reason = choose_prefill_dtype(prefill_dtype, manifest)
+            prefill_dtype, prefill_reason = choose_prefill_dtype(prefill_dtype, manifest, root)
         self.prefill_dtype: str | None = prefill_dtype  # the prompt's GEMM dtype ("bfloat16"), None: the weights'
         self.prefill_reason: str = prefill_reason  # why (runtime/compute_dtype.choose)
         self._compiled = compile
@@ -61,6 +63,8 @@ class Session:
         self.dense_prefill: bool = bool(notes.get("dense_prefill", False))  # prefill runs a mask-free copy
         self.kv: KVArenas | None = notes.get("kv")  # the in-place KV cache (None: every step concatenates the past)
         self.kv_reason: str = notes.get("kv_reason", "kv_in_place=False")
+        # lm_head for the last prompt position only, when a caller asks (runtime/logit_rows.py; None: every row)
+        self.logit_rows: LogitRows | None = notes.get("logit_rows")
         assert state.decode is not None and state.prefill is not None
         decode_run, prefill_run = state.decode, state.prefill
         self.decode_graph, self.prefill_graph = decode_run, prefill_run  # the forms steps run (runtime/batch.py)
@@ -148,13 +152,17 @@ class Session:
             raise InputError(f"{start} cached tokens and {n} new ones exceed this artifact's context of "
                              f"{self.max_seq_len} tokens")
 
-    def _advance(self, ids: Tensor, start: int) -> Tensor:
-        """Run ids [1, T] on the in-place cache after its first ``start`` positions → logits [T, vocab]."""
+    def _advance(self, ids: Tensor, start: int, last_only: bool = False) -> Tensor:
+        """Run ids [1, T] on the in-place cache after its first ``start`` positions → logits [T, vocab]
+        (``last_only``: the last position's [1, vocab], lm_head computed for it alone where the prefill graph
+        allows: ``logit_rows``)."""
         assert self.kv is not None
-        with torch.inference_mode():
+        rows = self.logit_rows if last_only and ids.shape[-1] > 1 else None
+        with torch.inference_mode(), (rows.last_only() if rows is not None else contextlib.nullcontext()):
             out = self.step_fn(ids, *self.kv.views(start))
         self._kv_version += 1
-        return out[0][0]
+        logits = out[0][0]
+        return logits[-1:] if last_only else logits
 
     def _ids(self, prompt_or_ids: str | Sequence[int] | Tensor) -> list[int]:
         if isinstance(prompt_or_ids, str):
@@ -239,18 +247,23 @@ class Decoder:
         self._version: int | None = None  # the session's cache version after this decoder's last feed
         self._past: tuple[Tensor, ...] | None = None  # sessions without the in-place cache
 
-    def feed(self, ids: Sequence[int] | Tensor) -> Tensor:
+    def feed(self, ids: Sequence[int] | Tensor, last_only: bool = False) -> Tensor:
+        """Append ``ids`` → their logits [len(ids), vocab]; ``last_only``: only the last one's, [1, vocab]
+        (prefill then computes lm_head for that position alone: what generation reads)."""
         s = self.session
         tokens = s._ids(ids)
         batch = torch.tensor([tokens])
         s._check_room(self.length, len(tokens))
         if s.kv is None:
-            logits, self._past = s.step(batch, self._past if self._past is not None else s.empty_past())
+            rows = s.logit_rows if last_only and len(tokens) > 1 else None
+            with rows.last_only() if rows is not None else contextlib.nullcontext():
+                logits, self._past = s.step(batch, self._past if self._past is not None else s.empty_past())
+            logits = logits[-1:] if last_only else logits
         else:
             if self.length and self._version != s._kv_version:
                 raise InputError("this decoder's KV cache was overwritten by another step of its session "
                                  "(one decoder at a time per session; start a new one with session.decoder())")
-            logits = s._advance(batch, self.length)
+            logits = s._advance(batch, self.length, last_only)
             self._version = s._kv_version
         self.length += len(tokens)
         self.history += tokens
@@ -320,7 +333,7 @@ class Stream:
             dec.truncate(keep)
         st.cached_tokens = keep
         t0 = time.perf_counter()
-        last = dec.feed(self.tokens[keep:])[-1]  # [vocab]
+        last = dec.feed(self.tokens[keep:], last_only=True)[-1]  # [vocab]
         st.prefill_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
         while True:

@@ -167,3 +167,51 @@ def test_hybrid_ffn_becomes_two_packed_gemms(f16_cpu_artifact: Path) -> None:
     assert got.dtype == torch.float32 and got.shape == want.shape
     rel = float((got - want).norm() / want.norm())
     assert 0 < rel < 2e-2, rel
+
+
+def test_auto_for_quantized_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto on int8 / int4 weights: a bfloat16 copy on any CPU with a fast bfloat16 GEMM (AVX512-BF16, or AMX),
+    when it fits; the per-call dequantize path without one, or short of memory, saying why."""
+    gib = 2**30
+    for amx, bf16 in ((False, True), (True, False), (True, True)):
+        _cpu(monkeypatch, amx=amx, bf16=bf16, available_gib=20)
+        for wd in ("int8", "int4"):
+            dtype, why = choose(None, wd, 2 * gib)
+            assert dtype == "bfloat16" and f"{wd} weights with a fast bfloat16 GEMM" in why and "2.0 GiB" in why
+    assert choose("weights", "int4", 2 * gib) == (None, "prefill_dtype='weights'")
+    assert choose(None, "int4", 2 * gib, kernels=False)[0] is None  # the reference pipeline's artifact
+    _cpu(monkeypatch, amx=False, bf16=False, available_gib=20)
+    assert choose(None, "int4", 2 * gib) == (None, "auto: no AMX or AVX512-BF16 here (int4 weights dequantized "
+                                                   "to float32 per call)")
+    _cpu(monkeypatch, amx=False, bf16=True, available_gib=4)
+    dtype, why = choose(None, "int8", 3 * gib)  # 4 - 3 GiB < the 3 GiB kept free
+    assert dtype is None and "3.0 GiB" in why and "int8 weights dequantized to float32 per call" in why
+
+
+def test_last_logits(f16_cpu_artifact: Path) -> None:
+    """Decoder.feed(ids, last_only=True): lm_head on the last position only (a LogitRows selector on its input
+    in the prefill graph), its logits those of the full prefill's last row, the KV cache the same; logits() and
+    feed() without it still return every position."""
+    from picompile.runtime.logit_rows import LogitRows
+
+    for dtype in ("weights", "bfloat16") if HAS_BF16 else ("weights",):
+        s = picompile.load(f16_cpu_artifact, prefill_dtype=dtype)
+        assert "last-logits" in s.load_steps and isinstance(s.logit_rows, LogitRows)
+        cuts = [n for n in s.prefill_graph.graph.nodes if isinstance(n.target, LogitRows)]
+        assert len(cuts) == 1 and not [n for n in s.decode_graph.graph.nodes if isinstance(n.target, LogitRows)]
+        full = s.logits(PROMPT)  # [len(PROMPT), vocab]
+        assert full.shape == (len(PROMPT), s.vocab_size)
+        dec = s.decoder()
+        last = dec.feed(PROMPT, last_only=True)
+        assert last.shape == (1, s.vocab_size) and not s.logit_rows.last
+        # one row of a float16 lm_head runs its TVM GEMV (float32 activations), 12 rows torch's float16 GEMM:
+        # within float16 rounding; bfloat16 GEMMs of 1 and 12 rows agree
+        assert float((last - full[-1:]).norm() / full[-1:].norm()) < (1e-2 if dtype == "weights" else 1e-5)
+        after_last = dec.feed([9])  # [1, vocab]
+        ref = s.decoder()  # (one decoder at a time: dec's cache is overwritten from here)
+        assert ref.feed(PROMPT).shape == full.shape
+        torch.testing.assert_close(after_last, ref.feed([9]), rtol=0, atol=0)  # the same cache either way
+    rows = LogitRows()
+    with rows.last_only():  # the last row with standard strides (a sliced [1, 1, d] sends torch's bfloat16
+        cut = rows(torch.randn(1, 5, 8))  # matmul to a bmm that copies the transposed weight per call)
+    assert cut.shape == (1, 1, 8) and cut.stride() == (8, 8, 1) and rows(torch.ones(1, 5, 8)).shape == (1, 5, 8)

@@ -77,7 +77,7 @@ def session_engine(name: str, label: str, session: Any) -> Engine:
     """A picompile session as ``generate`` runs it: a decoder over its KV cache (in place where it can be)."""
     def prefill(ids: list[int]) -> tuple[int, Any]:
         dec = session.decoder()
-        return greedy_token(dec.feed(ids)), dec
+        return greedy_token(dec.feed(ids, last_only=True)), dec  # lm_head for the last position: as generate
 
     def decode(tok: int, dec: Any) -> tuple[int, Any]:
         return greedy_token(dec.feed([tok])), dec

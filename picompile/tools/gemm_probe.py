@@ -3,7 +3,8 @@
 ``probe_gemm(rows, d_model, n_out)``: GFLOP/s of torch's GEMM ``[rows, d_model] × [n_out, d_model]ᵀ`` on
 weights stored in each dtype with a fast path here (float32 always; bfloat16 with AMX or AVX512-BF16; float16
 with a native float16 GEMM), medians of a few calls. ``prefill_gemm_rate``: the GFLOP/s a prefill ran its
-GEMMs at, from its tokens/s and the model's GEMM FLOPs per token (``ModelShape``; attention's matmuls left out).
+GEMMs at, from its tokens/s and the model's GEMM FLOPs per token (``ModelShape``; attention's matmuls left out;
+lm_head counted once per prompt: generation computes the last position's logits only).
 ``picompile bench`` reports both; a prefill far below the probe's best rate means a GEMM path (a layout, a dtype
 conversion per call) loses what the machine has.
 """
@@ -59,5 +60,8 @@ def prefill_gemm_rate(config: dict[str, Any], prompt_len: int, prefill_tokens_pe
     shape = shape_from_hf_config(config)
     probe = probe_gemm(prompt_len, shape.d_model, shape.d_ffn)
     flop = gemm_flop_per_token(config)
+    # generation's prefill (what bench times) computes lm_head for the last position only (runtime/logit_rows.py)
+    lm_head = 2.0 * shape.lm_head_params
+    per_prefill = prompt_len * (flop - lm_head) + lm_head
     return {"gemm_probe_gflops": probe, "gemm_flop_per_token": flop,
-            "prefill_gemm_gflops": prefill_tokens_per_s * flop / 1e9}
+            "prefill_gemm_gflops": prefill_tokens_per_s * per_prefill / max(prompt_len, 1) / 1e9}
