@@ -82,7 +82,7 @@ def lowered_acts() -> tuple[str, ...]:
 
 def kernel_matrix(d_model: int, n_rows: int, target: str) -> list[Any]:
     """Every kernel variant checked, as ``KernelSpec`` values for ``target`` ("cuda:sm_90", "llvm")."""
-    from picompile.kernels.spec import WEIGHT_DTYPES, KernelSpec
+    from picompile.kernels.spec import WEIGHT_DTYPES, KernelSpec, KernelSpecError
 
     KERNEL_ACTS = lowered_acts()
 
@@ -90,12 +90,15 @@ def kernel_matrix(d_model: int, n_rows: int, target: str) -> list[Any]:
     specs: list[Any] = []
     for kind in cuda_kinds(d_model, n_rows, arch):
         fused = _is_fused(kind)
-        acts = KERNEL_ACTS if fused else (("none",) if kind in ("up", "down") else KERNEL_ACTS[-1:])
+        acts = KERNEL_ACTS if fused else (("none",) if kind in ("up", "down") else ("silu",))
         biases = (False, True) if fused else (False,)
         for act in acts:
             for wdt in WEIGHT_DTYPES:
                 for bias in biases:
-                    specs.append(KernelSpec(kind, act, d_model, n_rows, wdt, bias, target))
+                    try:  # an activation lower-tvm lowers for other kinds only (drelu: gated)
+                        specs.append(KernelSpec(kind, act, d_model, n_rows, wdt, bias, target))
+                    except KernelSpecError:
+                        continue
     return specs
 
 
