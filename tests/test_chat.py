@@ -23,7 +23,7 @@ def test_history_kept_and_template_applied(default_artifact: Path) -> None:
     chat = Conversation(session, TEMPLATE)
     fed: list[list[int]] = []
     feed = chat.decoder.feed
-    chat.decoder.feed = lambda ids: (fed.append(list(ids)), feed(ids))[1]  # type: ignore[method-assign]
+    chat.decoder.feed = lambda ids, **kw: (fed.append(list(ids)), feed(ids, **kw))[1]  # type: ignore[method-assign]
     greedy = SamplingParams(stop=("\n\n",))
     first = [g.delta for g in chat.say("Who art thou?", 24, greedy)]
     n_first = len(fed[0])

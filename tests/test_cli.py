@@ -70,9 +70,9 @@ def test_run_streams_as_tokens_come(default_artifact: Path, monkeypatch: pytest.
     feeds = {"n": 0}
     real_feed = Decoder.feed
 
-    def counting_feed(self: Decoder, ids: object) -> object:
+    def counting_feed(self: Decoder, ids: object, **kw: object) -> object:
         feeds["n"] += 1
-        return real_feed(self, ids)  # type: ignore[arg-type]
+        return real_feed(self, ids, **kw)  # type: ignore[arg-type]
 
     class Recorder:
         def __init__(self) -> None:
