@@ -1,5 +1,5 @@
 """train-predictors: graph unchanged; one low-rank predictor per FFN layer from the profiled (input, margin, mask):
-``linear`` (default) fc2·fc1·x + offset by reduced-rank regression, rank chosen for the least weighted read cost, or
+``linear`` (default) fc2·fc1·x + offset by reduced-rank regression, rank chosen for the fewest bytes per token, or
 ``mlp`` fc2(ReLU(fc1 x)) trained with BCE (PowerInfer); threshold tuned to the recall target. Skipped for oracle/none."""
 from __future__ import annotations
 
@@ -44,13 +44,12 @@ def train_predictors(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
         if cfg.predictor_kind == "linear":
             margin = float32_decider(gm, nodes[layer.index], cfg.act_criterion).margin(cal.x, cal.threshold)  # [N, n]
             # bytes a decode step reads per selected neuron beyond those of the firing ones (read at any rank):
-            # one row where the kernel skips the rest of a neuron that does not fire, else all its rows; weighed
-            # by --selected-row-cost against the predictor's own bytes (scattered rows stream slower than a GEMV)
+            # one row where the kernel skips the rest of a neuron that does not fire, else all its rows
             kind = "ffn_gated" if layer.kind == "gated" else "ffn_relu"
             rows = 1 if skips_inactive(kind, layer.act, "gate_bias" in layer.weights) else matrices
             predictor, report = fit_linear_predictor(
                 cal.x, margin, cal.mask, candidate_ranks(max_rank, granularity),
-                row_cost=cfg.selected_row_cost * rows * layer.d_model * row_itemsize, param_cost=pred_dtype.itemsize,
+                row_cost=rows * layer.d_model * row_itemsize, param_cost=pred_dtype.itemsize,
                 recall_target=recall_target, seed=seed, weight_dtype=pred_dtype)
             del margin
         else:

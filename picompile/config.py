@@ -64,9 +64,6 @@ class BuildConfig:
     recall_target: float | None = None  # predictor threshold tuned to find this share of active neurons;
     # None = RELU_RECALL when every FFN is ReLU (sparse, redundant: misses cost little), else DENSE_RECALL
     predictor_budget: float = 0.2  # all predictors together, as a fraction of FFN parameters
-    selected_row_cost: float = 4.0  # linear predictors: the rank search weighs a selected neuron's row bytes this many
-    # times a predictor byte (the predictor streams as one dense GEMV; selected rows are scattered reads, which the
-    # one-token FFN kernels stream at ~1/4 of a GEMV's rate at 10 % active: benchmarks/README.md). 1.0 = bytes alone
     predictor_kind: PredictorKind = "linear"  # linear: reduced-rank regression (Deja Vu form); mlp: PowerInfer's, BCE
     predictor_epochs: int = 20  # mlp predictors only
     weight_dtype: WeightDType = "float32"  # linear and FFN weights in the artifact (pass convert-weights)
@@ -115,7 +112,6 @@ class BuildConfig:
             (self.recall_target is None or 0.0 < self.recall_target <= 1.0, "--recall-target must be in (0, 1]",
              self.recall_target),
             (0.0 < self.predictor_budget <= 1.0, "--predictor-budget must be in (0, 1]", self.predictor_budget),
-            (0.0 < self.selected_row_cost <= 100.0, "--selected-row-cost must be in (0, 100]", self.selected_row_cost),
             (self.placement_batch >= 1, "--placement-batch must be >= 1", self.placement_batch),
             (self.min_layer_neurons >= 0, "--min-layer-neurons must be >= 0", self.min_layer_neurons),
             (self.calibration_tokens >= 16, "--calibration-tokens must be >= 16", self.calibration_tokens),
@@ -145,7 +141,7 @@ class BuildConfig:
                 "min_layer_neurons": "--min-layer-neurons", "seed": "--seed", "quant_block": "--quant-block",
                 "input_loss_tokens": "--input-loss-tokens"}
         nums = {"act_sparsity": "--act-sparsity", "allocation_step": "--allocation-step",
-                "predictor_budget": "--predictor-budget", "selected_row_cost": "--selected-row-cost"}
+                "predictor_budget": "--predictor-budget"}
         optional = {"max_seq_len": ("--max-seq-len", is_int), "recall_target": ("--recall-target", is_num),
                     "vram_budget_gib": ("--vram-budget", is_num),
                     "accuracy_budget": ("--accuracy-budget", is_num), "max_memory_gib": ("--max-memory", is_num)}

@@ -50,20 +50,3 @@ def test_oracle_mode_trains_nothing(checkpoints: dict, tmp_path: Path) -> None:
     ctx = context_for(checkpoints[("opt", "relu")], tmp_path, calibration_tokens=64, predictor="oracle")
     run_passes(ctx, ["capture", "canonicalize-ffn", "profile-activations", "train-predictors"])
     assert ctx.predictors == {} and "recall" not in ctx.ffn_layers[0].stats
-
-
-def test_selected_row_cost_trades_rank_for_fewer_selected_neurons(checkpoints: dict, tmp_path: Path) -> None:
-    """--selected-row-cost weighs a selected neuron's rows against the predictor's bytes: a heavier row cost never
-    picks a lower rank, so it selects no more neurons at the same recall; recorded among the build options."""
-    from picompile.passes.package import RECORDED_OPTIONS
-
-    stats = {}
-    for w in (0.05, 50.0):
-        ctx = context_for(checkpoints[("opt", "relu")], tmp_path / str(w), calibration_tokens=2048, selected_row_cost=w)
-        run_passes(ctx, ["capture", "canonicalize-ffn", "profile-activations", "train-predictors"])
-        stats[w] = [(layer.stats["predictor_rank"], layer.stats["predicted_active"]) for layer in ctx.ffn_layers]
-    for (r_lo, a_lo), (r_hi, a_hi) in zip(stats[0.05], stats[50.0]):
-        assert r_hi >= r_lo
-        assert r_hi > r_lo or a_hi == a_lo
-    assert any(r_hi > r_lo for (r_lo, _), (r_hi, _) in zip(stats[0.05], stats[50.0]))
-    assert "selected_row_cost" in RECORDED_OPTIONS

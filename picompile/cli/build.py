@@ -64,9 +64,6 @@ def add_parser(sub: Any) -> None:
                    help="predictor recall target (default 0.95 when every FFN is ReLU, else 0.99)")
     b.add_argument("--predictor-budget", type=finite_float(0.0, 1.0, lo_open=True), default=0.2, metavar="F",
                    help="predictor parameters as a fraction of FFN parameters (default 0.2)")
-    b.add_argument("--selected-row-cost", type=finite_float(0.0, 100.0, lo_open=True), default=4.0, metavar="W",
-                   help="linear predictors: the rank search weighs a selected neuron's row bytes W times a predictor "
-                        "byte (scattered row reads stream slower than the predictor's GEMV; 1 = bytes alone; default 4)")
     b.add_argument("--predictor-kind", default="linear", choices=["linear", "mlp"],
                    help="linear: low-rank map fitted in closed form, rank chosen for the fewest bytes per token "
                         "(default); mlp: PowerInfer's fc2(relu(fc1 x)) trained with BCE")
@@ -97,7 +94,7 @@ def cmd(args: argparse.Namespace) -> int:
         calibration=Path(args.calibration) if args.calibration else None,
         print_after=split_names(args.print_after), dump_ir=Path(args.dump_ir) if args.dump_ir else None,
         progress=not args.quiet, calibration_tokens=args.calibration_tokens, act_sparsity=args.act_sparsity,
-        act_criterion=args.act_criterion, sparsity_allocation=args.sparsity_allocation, allocation_tokens=args.allocation_tokens, recall_target=args.recall_target, predictor_budget=args.predictor_budget, selected_row_cost=args.selected_row_cost,
+        act_criterion=args.act_criterion, sparsity_allocation=args.sparsity_allocation, allocation_tokens=args.allocation_tokens, recall_target=args.recall_target, predictor_budget=args.predictor_budget,
         predictor_kind=args.predictor_kind,
         placement_batch=args.placement_batch, min_layer_neurons=args.min_layer_neurons, weight_dtype=args.weight_dtype, cpu_mcpu=args.cpu_mcpu,
         quant_block=args.quant_block,
