@@ -239,38 +239,6 @@ def test_cli_refuses_bad_gguf_with_one_line(tmp_path: Path, capsys: pytest.Captu
     assert not (tmp_path / "a.pic").exists()
 
 
-def test_spm_tokenizer_adds_bos_by_default(tmp_path: Path) -> None:
-    """A SentencePiece ("llama") vocabulary without tokenizer.ggml.add_bos_token adds BOS, as in llama.cpp; the
-    directory written tokenizes as transformers' GGUF tokenizer does."""
-    from transformers import AutoTokenizer
-
-    from picompile.frontend.gguf import open_reader
-    from picompile.frontend.gguf_tokenizer import tokenizer_dir
-
-    toks = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), "\u2581a", "\u2581b", "ab", "\u2581ab"]
-    types = [2, 3, 3, *([6] * 256), 1, 1, 1, 1]  # unknown, control ×2, byte ×256, normal
-    path = write_tiny_gguf(tmp_path / "spm.gguf", meta=lambda w: (
-        w.add_tokenizer_model("llama"), w.add_token_list(toks), w.add_token_scores([-float(i) for i in range(len(toks))]),
-        w.add_token_types(types), w.add_unk_token_id(0), w.add_bos_token_id(1), w.add_eos_token_id(2)))
-    tok_dir = tokenizer_dir(path, "spm-test", open_reader(path))
-    assert tok_dir is not None
-    assert json.loads((tok_dir / "tokenizer_config.json").read_text())["add_bos_token"] is True
-    ours = AutoTokenizer.from_pretrained(str(tok_dir))("a b ab").input_ids
-    assert ours[0] == 1 and ours == AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)("a b ab").input_ids
-
-
-# ----------------------------------------------------------------------------- SmolLM2 (a real trained model)
-
-@pytest.fixture(scope="module")
-def smollm2() -> Path:
-    from picompile.testing import smollm2_gguf
-
-    try:
-        return smollm2_gguf()
-    except RuntimeError as e:
-        pytest.skip(f"SmolLM2-135M-Instruct GGUF not available: {e}")
-
-
 def _greedy_run(artifact: Path, prompt: list[int], n: int, capsys: pytest.CaptureFixture[str]) -> list[int]:
     """``picompile run ART --ids … -n N --json``: the ids it generated."""
     from picompile.cli import main
