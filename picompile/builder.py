@@ -67,26 +67,33 @@ def build_from_config(
     from picompile.frontend import load_model
 
     start = time.perf_counter()
-    model, info = load_model(config.model)
-    if config.max_seq_len is not None and config.max_seq_len > info.max_seq_len:
-        raise PicompileError(f"--max-seq-len {config.max_seq_len} exceeds the model's {info.max_seq_len} positions")
-    tokenizer = None
-    if info.tokenizer is not None:
-        from picompile.formats.tokenizers import load_tokenizer
+    meter = PassMeter(on_pass)
+    try:
+        meter.begin("load")
+        model, info = load_model(config.model)
+        if config.max_seq_len is not None and config.max_seq_len > info.max_seq_len:
+            raise PicompileError(f"--max-seq-len {config.max_seq_len} exceeds the model's {info.max_seq_len} positions")
+        tokenizer = None
+        if info.tokenizer is not None:
+            from picompile.formats.tokenizers import load_tokenizer
 
-        tokenizer = load_tokenizer(info.tokenizer["kind"], Path(info.tokenizer["path"]))
-    torch.manual_seed(config.seed)
-    with staged_output(config.output) as staging:
-        ctx = BuildContext(config=config, target=tgt, model=model, info=info, staging_dir=staging, pipeline=names,
-                           tokenizer=tokenizer)
-        if track is not None:
-            ctx.track = track
-        run_pipeline(ctx, names, emit=emit, on_pass=on_pass)
-        measured = {"peak_rss_bytes": peak_rss_bytes(), "build_seconds": round(time.perf_counter() - start, 1)}
-        if estimate is not None:
-            measured["estimated_peak_bytes"] = estimate.total
-        if (staging / MANIFEST).is_file():
-            record_measured(staging, measured)
+            tokenizer = load_tokenizer(info.tokenizer["kind"], Path(info.tokenizer["path"]))
+        torch.manual_seed(config.seed)
+        with staged_output(config.output) as staging:
+            ctx = BuildContext(config=config, target=tgt, model=model, info=info, staging_dir=staging, pipeline=names,
+                               tokenizer=tokenizer)
+            if track is not None:
+                ctx.track = track
+            run_pipeline(ctx, names, emit=emit, on_pass=meter.on_pass)
+            meter.stop()
+            measured = {"peak_rss_bytes": peak_rss_bytes(), "build_seconds": round(time.perf_counter() - start, 1),
+                        "passes": meter.passes}
+            if estimate is not None:
+                measured["estimated_peak_bytes"] = estimate.total
+            if (staging / MANIFEST).is_file():
+                record_measured(staging, measured)
+    finally:
+        meter.stop()
     return Path(config.output)
 
 
@@ -120,6 +127,76 @@ def check_memory(config: BuildConfig) -> "BuildEstimate | None":
             f"the {gib(budget)} this machine has available (set --max-memory to override)"
         raise BudgetError(f"this build needs about {estimate.describe()}, more than {what}")
     return estimate
+
+
+class PassMeter:
+    """Time and peak resident memory of each build phase ("load", then each pass), for the build summary.
+
+    A thread samples this process's RSS every ``interval`` s; a phase during which ``ru_maxrss`` rose peaked at
+    exactly the new ``ru_maxrss`` (the kernel's own high-water mark), otherwise at the highest sample (a lower
+    bound, at most one interval's growth off). ``passes``: {phase: {"seconds", "peak_rss_bytes"}} in order.
+    """
+
+    def __init__(self, on_pass: Optional[Callable[[str, int, int], None]] = None, interval: float = 0.05) -> None:
+        import threading
+
+        self.user_on_pass, self.interval = on_pass, interval
+        self.passes: dict[str, dict[str, float | int]] = {}
+        self._name: str | None = None
+        self._start = 0.0
+        self._hwm_start = 0
+        self._sampled = 0
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="picompile-rss", daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._done.wait(self.interval):
+            rss = current_rss_bytes()
+            with self._lock:
+                self._sampled = max(self._sampled, rss)
+
+    def _close(self) -> None:
+        if self._name is None:
+            return
+        hwm = peak_rss_bytes()
+        with self._lock:
+            peak = max(self._sampled, current_rss_bytes())
+            self._sampled = 0
+        if hwm > self._hwm_start:
+            peak = hwm
+        self.passes[self._name] = {"seconds": round(time.perf_counter() - self._start, 2), "peak_rss_bytes": int(peak)}
+        self._name = None
+
+    def begin(self, name: str) -> None:
+        self._close()
+        self._name, self._start, self._hwm_start = name, time.perf_counter(), peak_rss_bytes()
+        with self._lock:
+            self._sampled = current_rss_bytes()
+
+    def on_pass(self, name: str, i: int, n: int) -> None:
+        self.begin(name)
+        if self.user_on_pass is not None:
+            self.user_on_pass(name, i, n)
+
+    def stop(self) -> None:
+        """Close the current phase and end the sampling thread (again: nothing)."""
+        self._close()
+        if not self._done.is_set():
+            self._done.set()
+            self._thread.join()
+
+
+def current_rss_bytes() -> int:
+    """This process's resident memory now (Linux /proc/self/statm; elsewhere the peak so far)."""
+    import os
+
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return peak_rss_bytes()
 
 
 def peak_rss_bytes() -> int:

@@ -108,14 +108,7 @@ def cmd(args: argparse.Namespace) -> int:
                   TimeElapsedColumn(), console=err, disable=args.quiet, transient=True) as progress:
         task = progress.add_task("loading model", total=None)
 
-        times: dict[str, float] = {}  # pass -> seconds (timings stay out of the artifact: it is reproducible)
-        current: list[tuple[str, float]] = []
-
         def on_pass(name: str, i: int, n: int) -> None:
-            now = time.perf_counter()
-            if current:
-                times[current[0][0]] = now - current[0][1]
-            current[:] = [(name, now)]
             progress.update(task, description=f"pass {name}", completed=i - 1, total=n)
 
         def emit(text: str) -> None:
@@ -132,15 +125,13 @@ def cmd(args: argparse.Namespace) -> int:
             progress.remove_task(sub)
 
         out = build_from_config(config, emit=emit, on_pass=on_pass, track=track)
-        if current:
-            times[current[0][0]] = time.perf_counter() - current[0][1]
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     if not args.quiet:
-        from picompile.tools.report import measured_line
+        from picompile.tools.report import measured_line, passes_line
 
         err.print(f"built [bold]{out}[/bold] for target {config.target} in {time.perf_counter() - start:.1f} s "
-                  f"({size / 1e6:.2f} MB); passes: " + ", ".join(f"{k} {v:.1f}s" for k, v in times.items()))
-        line = measured_line(out)
-        if line:
-            err.print(line)
+                  f"({size / 1e6:.2f} MB)")
+        for line in (measured_line(out), passes_line(out)):
+            if line:
+                err.print(line)
     return 0

@@ -61,6 +61,27 @@ def measured_line(root: Path) -> str:
     return text
 
 
+def passes_line(root: Path) -> str:
+    """"load 3.1 s 1.20 GiB, capture 2.0 s 1.31 GiB, …": each build phase's time and peak RSS, or ""."""
+    from picompile.formats.artifact import read_manifest_json
+
+    try:
+        measured = read_manifest_json(Path(root)).get("measured")
+    except (ArtifactError, OSError):
+        return ""
+    passes = measured.get("passes") if isinstance(measured, dict) else None
+    if not isinstance(passes, dict):
+        return ""
+    parts = []
+    for name, row in list(passes.items())[:64]:
+        if not isinstance(row, dict):
+            continue
+        sec, peak = row.get("seconds"), row.get("peak_rss_bytes")
+        if isinstance(sec, (int, float)) and isinstance(peak, (int, float)) and 0 <= peak < 2**62:
+            parts.append(f"{str(name)[:40]} {sec:.1f} s {peak / 2**30:.2f} GiB")
+    return "passes   " + ", ".join(parts) if parts else ""
+
+
 def load_profiles(root: Path, m: Manifest) -> list[LayerProfile]:
     """The activation profile the build recorded, one LayerProfile per FFN layer."""
     section = m.sections.get("profile")
@@ -150,6 +171,8 @@ def inspect_artifact(root: Path, as_json: bool = False, graph: bool = False, ver
                   f"context {m.build.get('max_seq_len')}")
     console.print(f"target   {m.target['name']}: {m.target.get('description', '')}")
     if line := measured_line(root):
+        console.print(line)
+    if line := passes_line(root):
         console.print(line)
     console.print(f"pipeline {' → '.join(m.pipeline)}")
     console.print(f"graph    {m.graph['file']}: inputs input_ids + {m.graph['n_past']} KV tensors, "

@@ -110,6 +110,8 @@ def default_name(params: SyntheticParams) -> str:
         name += f"-loc{params.locality:g}"
     if params.ffn != "relu":
         name += f"-{params.ffn}"
+    if params.layers:
+        name += f"-{params.layers}l"
     return name
 
 
@@ -208,7 +210,7 @@ def make_synthetic(shape: str, out: Path | str | None = None, seed: int = 0, act
             from picompile.tools.synthetic_stream import write_synthetic_streamed
 
             description, stats = write_synthetic_streamed(params, staging, emit=emit)
-            cfg = {**_hf_config(SHAPES[shape]).to_dict(), "architectures": ["LlamaForCausalLM"], "dtype": "bfloat16",
+            cfg = {**_hf_config(params.shape_of()).to_dict(), "architectures": ["LlamaForCausalLM"], "dtype": "bfloat16",
                    "picompile_synthetic": {**meta, "streamed": True}}
             (staging / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         else:
@@ -220,7 +222,7 @@ def make_synthetic(shape: str, out: Path | str | None = None, seed: int = 0, act
             del model
         (staging / STATS_FILE).write_text(json.dumps({"params": asdict(params), "generation": description,
                                                       "measured": stats}, indent=1) + "\n")
-        (staging / CARD_FILE).write_text(_card(params, SHAPES[shape], description, stats))
+        (staging / CARD_FILE).write_text(_card(params, params.shape_of(), description, stats))
         staging.chmod(0o755)  # mkdtemp made it private
         if out.exists():
             shutil.rmtree(out)
@@ -245,12 +247,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--locality", type=float, default=0.26, help="fraction of neurons carrying 80%% of activations")
     ap.add_argument("--ffn", choices=["relu", "drelu"], default="relu",
                     help="FFN form: relu(gate x) * up x, or dReLU relu(gate x) * relu(up x) (Llama shapes)")
+    ap.add_argument("--layers", type=int, default=0,
+                    help="decoder layers (default: the shape's; fewer make a truncated model of its widths)")
     ap.add_argument("--remeasure", action="store_true", help="measure again (else: the numbers stored at generation)")
     ap.add_argument("--tokens", type=int, default=256, help="random tokens for --remeasure")
     args = ap.parse_args(argv)
     try:
         path = make_synthetic(args.shape, args.out, args.seed, args.active, args.locality,
-                              emit=lambda s: print(s, file=sys.stderr), ffn=args.ffn)
+                              emit=lambda s: print(s, file=sys.stderr), ffn=args.ffn,
+                              layers=args.layers)
     except PicompileError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code

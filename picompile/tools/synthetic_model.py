@@ -44,7 +44,7 @@ go into ``synthetic_stats.json`` and ``SYNTHETIC.md``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -144,9 +144,17 @@ class SyntheticParams:
     calibration_tokens: int = 256
     ffn: str = "relu"  # "relu": relu(gate x) * up x; "drelu" (Llama): relu(gate x) * relu(up x), TurboSparse's dReLU
     generator_version: int = GENERATOR_VERSION
+    layers: int = 0  # decoder layers; 0 = the shape's (fewer: a truncated model of the shape's widths)
 
     def rank(self, d_model: int) -> int:
         return self.subspace_rank or max(8, d_model // 16)
+
+    def shape_of(self) -> SyntheticShape:
+        """The shape, with ``layers`` decoder layers when that is set."""
+        shape = SHAPES[self.shape]
+        if self.layers < 0:
+            raise PicompileError(f"layers must be >= 0, got {self.layers}")
+        return replace(shape, n_layers=self.layers) if self.layers else shape
 
 
 def seq_shape(n_tokens: int, max_pos: int) -> tuple[int, int]:
@@ -277,7 +285,7 @@ def build_synthetic_model(params: SyntheticParams, emit: Callable[[str], None] =
     """The synthetic model (float32, eval) and a description of how it was made."""
     if params.shape not in SHAPES:
         raise PicompileError(f"unknown synthetic shape {params.shape!r}; choose one of {', '.join(SHAPES)}")
-    shape = SHAPES[params.shape]
+    shape = params.shape_of()
     gen = torch.Generator().manual_seed(params.seed)
     model = _empty_model(shape, params.seed, params.ffn)
     d, llama = shape.d_model, shape.family == "llama"

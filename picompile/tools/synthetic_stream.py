@@ -130,7 +130,7 @@ def write_synthetic_streamed(params: Any, out: Path, dtype: torch.dtype = torch.
     from picompile.sparsity.profile_stats import LayerProfile, locality
     from picompile.tools import synthetic_model as sm
 
-    shape = sm.SHAPES[params.shape]
+    shape = params.shape_of()
     if shape.family != "llama":
         raise ValueError("the streamed generator makes Llama-family checkpoints")
     gen = torch.Generator().manual_seed(params.seed)
