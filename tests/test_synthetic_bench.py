@@ -179,3 +179,20 @@ def test_user_omp_policy_survives_into_child_processes(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["None", "None", "PASSIVE"]  # parent: unset; child: unset, its runtime PASSIVE
+
+
+def test_bench_without_pytorch(tiny_artifact: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A 7B's bench: no PyTorch column (its checkpoint and the artifact would not stay resident together), the
+    picompile engines warmed before each timed round; the report prints dashes for the ratios it cannot give."""
+    from picompile.tools.bench import pytorch_skip_reason
+
+    session = picompile.load(tiny_artifact)
+    source = session.manifest.model["source"]
+    assert pytorch_skip_reason(source, session) is None  # a tiny model fits
+    why = pytorch_skip_reason(source, session, available=1 << 10)
+    assert why is not None and "available together" in why and "--no-pytorch" in why
+    assert main(["bench", str(tiny_artifact), "--tokens", "3", "--repeats", "1", "--threads", "1", "--prompt-len", "8",
+                 "--no-extras", "--copy-mib", "16", "--read-mib", "16", "--no-pytorch", "--warm-each-round",
+                 "--no-dense-artifact"]) == 0
+    text = capsys.readouterr().out
+    assert "pytorch: skipped (--no-pytorch)" in text and "no PyTorch run" in text and "—" in text

@@ -24,6 +24,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--no-dense-artifact", action="store_true", help="skip the load(dense=True) column")
     p.add_argument("--no-extras", action="store_true", help="skip ONNX Runtime and llama.cpp")
     p.add_argument("--no-onnxruntime", action="store_true", help="skip ONNX Runtime (keep the other extras)")
+    p.add_argument("--no-pytorch", action="store_true",
+                   help="skip the PyTorch eager baseline (skipped anyway, with the reason, when its checkpoint and the "
+                        "artifact's weights together exceed the memory available)")
+    p.add_argument("--warm-each-round", action="store_true",
+                   help="an untimed prefill before each timed round of the picompile engines (their weights back in "
+                        "the page cache when the engines' files together exceed the memory)")
     p.add_argument("--llama-bench", metavar="PATH|auto",
                    help="time llama.cpp with its own llama-bench (tg and pp, -t = --threads), interleaved with the "
                         f"other engines; 'auto': the pinned build in the cache ({BUILD_COMMAND})")
@@ -60,7 +66,8 @@ def cmd(args: argparse.Namespace) -> int:
                            llama_bench=args.llama_bench, llama_cpp_python=args.llama_cpp_python,
                            gguf=args.gguf, gguf_type=args.gguf_type, copy_mib=args.copy_mib, read_mib=args.read_mib,
                            onnxruntime=not args.no_onnxruntime, mask_tokens=args.mask_tokens, compile=args.compile,
-                           prefill_dtype=args.prefill_dtype,
+                           prefill_dtype=args.prefill_dtype, pytorch=not args.no_pytorch,
+                           warm_each_round=args.warm_each_round,
                            emit=lambda s: status.update(s))
     if args.json:
         sys.stdout.write(json.dumps(result) + "\n")

@@ -96,6 +96,8 @@ class BenchOptions:
     compile: bool
     prefill_dtype: str | None
     onnxruntime: bool = True  # with extras: ONNX Runtime too
+    pytorch: bool = True  # the PyTorch eager baseline (skipped, with the reason, where its weights cannot stay resident)
+    warm_each_round: bool = False  # an untimed prefill before each timed round of the picompile engines
 
     def checked(self) -> "BenchOptions":
         """These options with the thread count resolved; a PicompileError names the first bad one."""
@@ -168,11 +170,14 @@ def run_bench(
     compile: bool = False,
     prefill_dtype: str | None = None,
     onnxruntime: bool = True,
+    pytorch: bool = True,
+    warm_each_round: bool = False,
     emit: Emit = lambda s: None,
 ) -> dict[str, Any]:
     """Measure ``artifact`` against dense PyTorch eager; return the result dict (see the module doc)."""
     opts = BenchOptions(tokens, prompt_len, repeats, threads, dense_artifact, extras, llama_bench, llama_cpp_python, gguf,
-                        gguf_type, copy_mib, read_mib, seed, mask_tokens, compile, prefill_dtype, onnxruntime).checked()
+                        gguf_type, copy_mib, read_mib, seed, mask_tokens, compile, prefill_dtype, onnxruntime, pytorch,
+                        warm_each_round).checked()
     load_before = os.getloadavg()
     lineup = _lineup(artifact, opts, emit)
     gen = torch.Generator().manual_seed(opts.seed)
@@ -213,16 +218,44 @@ def _lineup(artifact: str | Path, opts: BenchOptions, emit: Emit) -> Lineup:
     except PicompileError:
         gguf_type = "f16"  # a precision llama.cpp has no type for: its usual one, and the report says so
     source = _check_session(session, opts)
-    emit(f"loading the PyTorch baseline {source} (in a process of its own)")
-    pt_worker = WorkerEngine.start("pytorch", source, opts.threads)
-    if isinstance(pt_worker, str):  # the baseline is required: say why it could not start
-        raise PicompileError(f"the PyTorch baseline could not load {source}: {pt_worker}")
     lineup = Lineup(session, compiled, None, None, source, gguf_type, [], {})
     _picompile_engines(lineup, opts)
-    lineup.engines.append(pt_worker.engine("pytorch", "PyTorch eager"))
+    why_not = pytorch_skip_reason(source, session, opts.pytorch)
+    if why_not is not None:
+        lineup.skipped["pytorch"] = why_not
+    else:
+        emit(f"loading the PyTorch baseline {source} (in a process of its own)")
+        pt_worker = WorkerEngine.start("pytorch", source, opts.threads)
+        if isinstance(pt_worker, str):  # asked for and fits: say why it could not start
+            raise PicompileError(f"the PyTorch baseline could not load {source}: {pt_worker}")
+        lineup.engines.append(pt_worker.engine("pytorch", "PyTorch eager"))
+    if opts.warm_each_round:
+        for eng in lineup.engines:
+            if eng.name.startswith("picompile"):
+                eng.warm = True
     if opts.extras:
         _extra_engines(lineup, opts, emit)
     return lineup
+
+
+def pytorch_skip_reason(source: str, session: Any, wanted: bool = True,
+                        available: int | None = None) -> str | None:
+    """Why the PyTorch baseline is not run (None: it is): not asked for, or the source checkpoint's weights
+    (HF eager maps them in their stored dtype) and the artifact's together exceed the memory available, so
+    interleaving the two would time page-cache refills from disk (a 7B in 16 bits: 2 × 13.5 GB on 24 GiB)."""
+    from picompile.formats.manifest_schema import gib
+    from picompile.frontend.base import available_memory_bytes
+
+    if not wanted:
+        return "--no-pytorch"
+    src = Path(source)
+    source_bytes = sum(p.stat().st_size for p in src.glob("*.safetensors")) if src.is_dir() else 0
+    artifact_bytes = sum(p.stat().st_size for p in Path(session.root).rglob("*.safetensors"))
+    have = available_memory_bytes() if available is None else available
+    if source_bytes + artifact_bytes > have:
+        return (f"its checkpoint ({gib(source_bytes)}) and the artifact's weights ({gib(artifact_bytes)}) exceed the "
+                f"{gib(have)} available together; timed side by side they would be read from disk (--no-pytorch)")
+    return None
 
 
 def _check_session(session: Any, opts: BenchOptions) -> str:
@@ -238,8 +271,9 @@ def _check_session(session: Any, opts: BenchOptions) -> str:
     from picompile.formats.provenance import resolve_source
 
     source = resolve_source(manifest.model) or str(manifest.model.get("source") or "")
-    if not source or not Path(source).exists():
-        raise PicompileError(f"the artifact's source model {source!r} is not present here; the PyTorch baseline needs it")
+    if (not source or not Path(source).exists()) and opts.pytorch:
+        raise PicompileError(f"the artifact's source model {source!r} is not present here; the PyTorch baseline needs it "
+                             "(--no-pytorch runs without it)")
     return source
 
 
@@ -406,24 +440,24 @@ def _result(artifact: str | Path, opts: BenchOptions, lineup: Lineup, rates: dic
     (prefill, decode) tokens/s; ``load_before``: the load average when the run began."""
     engines, manifest = lineup.engines, lineup.session.manifest
     pf, dc = rates[engines[0].name]  # the compiled step when compile=True, else the eager one
-    dpf, ddc = rates["pytorch"]
-    pytorch = _by_name(engines, "pytorch")
+    dpf, ddc = rates.get("pytorch", (None, None))  # None: the baseline was skipped (result["skipped"] says why)
+    pytorch = next((e for e in engines if e.name == "pytorch"), None)
     return {
         "artifact": str(artifact),
         "source": lineup.source,
         "synthetic": bool(manifest.model.get("config", {}).get("picompile_synthetic")),
         "decode_tokens_per_s": dc,
         "dense_decode_tokens_per_s": ddc,
-        "decode_speedup": dc / ddc,
+        "decode_speedup": _ratio(dc, ddc),
         "prefill_tokens_per_s": pf,
         "dense_prefill_tokens_per_s": dpf,
-        "prefill_speedup": pf / dpf,
+        "prefill_speedup": _ratio(pf, dpf),
         **_bytes_fields(traffic, statistics.median(bandwidth.read)),
         "copy_bandwidth_gbs": statistics.median(bandwidth.copy) / 1e9,
         "engines": {eng.name: _engine_row(eng, rates[eng.name], opts, dpf, ddc) for eng in engines},
-        "best_decode_speedup": min(pytorch.decode_s) / min(engines[0].decode_s),
+        "best_decode_speedup": min(pytorch.decode_s) / min(engines[0].decode_s) if pytorch else None,
         "skipped": {**lineup.skipped, **{k: f"failed: {v}" for k, v in failed.items()}},
-        "same_tokens_as_pytorch": _common_prefix(engines[0].tokens, pytorch.tokens),
+        "same_tokens_as_pytorch": _common_prefix(engines[0].tokens, pytorch.tokens) if pytorch else None,
         "tokens": opts.tokens,
         "prompt_len": opts.prompt_len,
         "repeats": opts.repeats,
@@ -464,12 +498,17 @@ def _bytes_fields(t: Traffic, bw: float) -> dict[str, Any]:
     }
 
 
-def _engine_row(eng: Engine, rate: tuple[float, float], opts: BenchOptions, dpf: float, ddc: float) -> dict[str, Any]:
+def _ratio(a: float, b: float | None) -> float | None:
+    return a / b if b else None
+
+
+def _engine_row(eng: Engine, rate: tuple[float, float], opts: BenchOptions, dpf: float | None,
+                ddc: float | None) -> dict[str, Any]:
     """One engine's entry in ``result["engines"]``: its rates, against PyTorch's, best rounds, raw times."""
     return {"label": eng.label, "prefill_tokens_per_s": rate[0],
             "decode_tokens_per_s": rate[1],
-            "decode_vs_pytorch": rate[1] / ddc,
-            "prefill_vs_pytorch": rate[0] / dpf,
+            "decode_vs_pytorch": _ratio(rate[1], ddc),
+            "prefill_vs_pytorch": _ratio(rate[0], dpf),
             # best round: less sensitive to other processes than the median
             "best_prefill_tokens_per_s": opts.prompt_len / min(eng.prefill_s),
             "best_decode_tokens_per_s": opts.tokens / min(eng.decode_s),
@@ -492,7 +531,7 @@ def _with_variants(result: dict[str, Any], opts: BenchOptions, lineup: Lineup, r
     if lineup.low is not None:
         result["prefill_dtype"] = opts.prefill_dtype
         result["low_prefill_tokens_per_s"], result["low_decode_tokens_per_s"] = rates[f"picompile-{opts.prefill_dtype}-prefill"]
-        result["low_prefill_speedup"] = result["low_prefill_tokens_per_s"] / dpf
+        result["low_prefill_speedup"] = _ratio(result["low_prefill_tokens_per_s"], dpf)
         result["low_prefill_logits"] = logits_agreement(compiled if compiled is not None else lineup.session,
                                                         lineup.low, prompt)
     if opts.dense_artifact:
@@ -531,7 +570,7 @@ def _with_llama_cpp(result: dict[str, Any], opts: BenchOptions, lineup: Lineup, 
                 "label": lineup.text_peer.label, "gguf": str(lineup.gguf),
                 "same_tokens_as_picompile": _common_prefix(head.tokens, lineup.text_peer.tokens),
                 "same_tokens_as_pytorch": _common_prefix(_by_name(lineup.engines, "pytorch").tokens,
-                                                         lineup.text_peer.tokens)}
+                                                         lineup.text_peer.tokens) if "pytorch" in rates else None}
     return result
 
 

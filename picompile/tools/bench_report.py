@@ -9,6 +9,10 @@ def _gb(x: float) -> str:
     return f"{x / 1e9:.3f} GB" if x >= 1e8 else f"{x / 1e6:.3f} MB"
 
 
+def _x(v: float | None) -> str:
+    return "—" if v is None else f"{v:.2f}x"
+
+
 def print_report(result: dict[str, Any], console: Any | None = None) -> None:
     """The result as a table of engines and a few lines of notes (bytes, bound, agreement, load)."""
     from rich.console import Console
@@ -33,7 +37,7 @@ def _engine_table(result: dict[str, Any]) -> Any:
         table.add_column(col, justify="left" if col == "engine" else "right")
     for eng in result["engines"].values():
         table.add_row(escape(eng["label"]), f"{eng['prefill_tokens_per_s']:.2f}", f"{eng['decode_tokens_per_s']:.2f}",
-                      f"{eng['prefill_vs_pytorch']:.2f}x", f"{eng['decode_vs_pytorch']:.2f}x",
+                      _x(eng["prefill_vs_pytorch"]), _x(eng["decode_vs_pytorch"]),
                       f"{eng['best_decode_tokens_per_s']:.2f}")
     return table
 
@@ -46,8 +50,8 @@ def _notes(result: dict[str, Any]) -> list[str]:
     lines += [_bytes_note(result), _bound_note(result)]
     if result.get("prefill_dtype"):
         agree = result["low_prefill_logits"]
-        lines.append(f"prefill_dtype={result['prefill_dtype']}: prefill {result['low_prefill_speedup']:.2f}x PyTorch "
-                     f"(default {result['prefill_speedup']:.2f}x); its prompt logits against the default's: relative "
+        lines.append(f"prefill_dtype={result['prefill_dtype']}: prefill {_x(result['low_prefill_speedup'])} PyTorch "
+                     f"(default {_x(result['prefill_speedup'])}); its prompt logits against the default's: relative "
                      f"error {agree['relative_error']:.1e}, top token equal at {agree['top1_agreement']:.0%} of positions")
     lines += _prefill_gemm_notes(result)
     if result.get("compiled"):
@@ -55,8 +59,9 @@ def _notes(result: dict[str, Any]) -> list[str]:
                   else f"kernel calls through Python ({result['native_reason']})")
         lines.append(f"compiled step: {native}; greedy tokens equal to the eager step's: first "
                      f"{result['same_tokens_as_eager']} of {result['tokens'] + 1}")
-    lines.append(f"[dim]greedy tokens equal to PyTorch's: first {result['same_tokens_as_pytorch']} of "
-                 f"{result['tokens'] + 1}; load average {result['load_average'][0]:.2f} → {result['load_average'][1]:.2f}"
+    same = result["same_tokens_as_pytorch"]
+    agreement = "no PyTorch run" if same is None else f"first {same} of {result['tokens'] + 1}"
+    lines.append(f"[dim]greedy tokens equal to PyTorch's: {agreement}; load average {result['load_average'][0]:.2f} → {result['load_average'][1]:.2f}"
                  f"{'; SYNTHETIC model' if result['synthetic'] else ''}[/dim]")
     if result["kernels"] and (result["omp_wait_policy"] or "").upper() != "PASSIVE":
         lines.append(f"[dim]note: OMP_WAIT_POLICY={result['omp_wait_policy']}: torch's OpenMP workers spin after "
