@@ -134,7 +134,8 @@ class PassMeter:
 
     A thread samples this process's RSS every ``interval`` s; a phase during which ``ru_maxrss`` rose peaked at
     exactly the new ``ru_maxrss`` (the kernel's own high-water mark), otherwise at the highest sample (a lower
-    bound, at most one interval's growth off). ``passes``: {phase: {"seconds", "peak_rss_bytes"}} in order.
+    bound, at most one interval's growth off). ``passes``: {phase: {"seconds", "cpu_seconds", "peak_rss_bytes"}}
+    in order (``cpu_seconds``: this process's user + system time, the steadier figure on a shared machine).
     """
 
     def __init__(self, on_pass: Optional[Callable[[str, int, int], None]] = None, interval: float = 0.05) -> None:
@@ -144,6 +145,7 @@ class PassMeter:
         self.passes: dict[str, dict[str, float | int]] = {}
         self._name: str | None = None
         self._start = 0.0
+        self._cpu_start = 0.0
         self._hwm_start = 0
         self._sampled = 0
         self._lock = threading.Lock()
@@ -166,12 +168,15 @@ class PassMeter:
             self._sampled = 0
         if hwm > self._hwm_start:
             peak = hwm
-        self.passes[self._name] = {"seconds": round(time.perf_counter() - self._start, 2), "peak_rss_bytes": int(peak)}
+        self.passes[self._name] = {"seconds": round(time.perf_counter() - self._start, 2),
+                                   "cpu_seconds": round(time.process_time() - self._cpu_start, 2),
+                                   "peak_rss_bytes": int(peak)}
         self._name = None
 
     def begin(self, name: str) -> None:
         self._close()
         self._name, self._start, self._hwm_start = name, time.perf_counter(), peak_rss_bytes()
+        self._cpu_start = time.process_time()
         with self._lock:
             self._sampled = current_rss_bytes()
 

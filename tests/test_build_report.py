@@ -24,7 +24,7 @@ def test_pass_meter_sees_the_phase_that_allocated() -> None:
     assert list(meter.passes) == ["big", "small"]
     big, small = meter.passes["big"], meter.passes["small"]
     assert big["peak_rss_bytes"] - small["peak_rss_bytes"] > 200 << 20, meter.passes
-    assert big["seconds"] >= 0.15
+    assert big["seconds"] >= 0.15 and big["cpu_seconds"] >= 0
     assert small["peak_rss_bytes"] <= current_rss_bytes() + (64 << 20)
 
 

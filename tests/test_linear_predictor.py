@@ -94,3 +94,41 @@ def test_weights_rounded_before_the_threshold_is_tuned() -> None:
     dear, _ = fit_linear_predictor(x, z, z > 0, ranks, row_cost=4 * D_MODEL, param_cost=40.0)
     cheap, _ = fit_linear_predictor(x, z, z > 0, ranks, row_cost=4 * D_MODEL, param_cost=0.01)
     assert cheap.rank > dear.rank
+
+
+def test_top_eigh_subspace_iteration_matches_full_eigh() -> None:
+    """Above EXACT_EIGH_DIM (a 7B's d_model) the top eigenpairs come from subspace iteration: the same values and
+    directions as the full eigh's where the spectrum decays as a regression's does."""
+    from picompile.sparsity.linear_predictor import top_eigh
+
+    gen = torch.Generator().manual_seed(0)
+    d, k = 384, 64
+    basis = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))[0]
+    spectrum = torch.logspace(2, -6, d, dtype=torch.float64)  # [d] decaying
+    a = (basis * spectrum) @ basis.T  # [d, d] symmetric PSD
+    want_vals, want_vecs = top_eigh(a, k, exact_dim=d)  # the full eigh
+    got_vals, got_vecs = top_eigh(a, k, exact_dim=0)
+    assert torch.allclose(got_vals, want_vals, rtol=1e-9)
+    overlap = (got_vecs * want_vecs).sum(0).abs()  # [k] |cos| per direction (signs are free)
+    assert overlap.min() > 1 - 1e-6
+    assert got_vecs.shape == (d, k)
+
+
+def test_wide_layer_fit_on_the_token_side(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 7B layer's path (d_model above EXACT_EIGH_DIM, fewer training tokens than inputs): M Mᵀ formed on the
+    token side, its top components by subspace iteration, more found as the rank search reaches them; the same
+    predictor as the full path's."""
+    import picompile.sparsity.linear_predictor as lp
+
+    gen = torch.Generator().manual_seed(0)
+    n_tok, d, n = 200, 240, 400
+    x = torch.randn(n_tok, 24, generator=gen) @ torch.randn(24, d, generator=gen) + 0.1 * torch.randn(n_tok, d, generator=gen)
+    margin = x @ (torch.randn(d, n, generator=gen) / d**0.5) - 1.5
+    args = (x, margin, margin > 0, candidate_ranks(150, 4))
+    want = fit_linear_predictor(*args, row_cost=2 * d * 2.0, param_cost=2.0)[1]
+    monkeypatch.setattr(lp, "EXACT_EIGH_DIM", 0)
+    monkeypatch.setattr(lp, "FIRST_RANKS", 8)  # found 8, 16, 32 as the search climbs to rank 24
+    got = fit_linear_predictor(*args, row_cost=2 * d * 2.0, param_cost=2.0)[1]
+    assert got.rank == want.rank == 24
+    assert got.recall == pytest.approx(want.recall, abs=1e-3)
+    assert got.predicted_active_fraction == pytest.approx(want.predicted_active_fraction, abs=1e-3)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -28,6 +28,11 @@ from torch import Tensor
 from picompile.sparsity.predictor import Predictor, PredictorReport, mask_metrics, round_weights_, tune_threshold
 
 RIDGE: float = 1e-3  # λ as a fraction of the mean input variance
+# up to this d_model the full eigendecomposition (every build up to 1.1B); above it the top ranks only, by subspace
+# iteration: a 4096-wide float64 eigh is most of a 7B layer's fit (tens of seconds on 2 cores, 32 layers)
+EXACT_EIGH_DIM: int = 2048
+POWER_ITERS: int = 6
+FIRST_RANKS: int = 512  # above EXACT_EIGH_DIM: the ranks found first; more when the rank search reaches them
 
 
 @dataclass
@@ -41,11 +46,28 @@ class _Fit:
     s: Tensor  # [k] singular values
     vs: Tensor  # [n, k] V·S = Mᵀ U: neuron loadings per component
     var_z: Tensor  # [n] variance of the standardised margins (1, or 0 for a constant margin)
+    a: Tensor | None = None  # [d, d] M Mᵀ, kept while more components can be asked for (``ensure``)
+    loadings: Callable[[Tensor], Tensor] | None = None  # U [d, k] -> Mᵀ U [n, k]
+    max_rank: int = 0
+
+    def ensure(self, rank: int) -> None:
+        """Components up to ``rank`` (at most ``max_rank``) present: found again, twice as many, when short."""
+        if self.a is None or self.loadings is None or rank <= self.s.numel() or self.s.numel() >= self.max_rank:
+            return
+        evals, self.u = top_eigh(self.a, min(self.max_rank, max(rank, 2 * self.s.numel())))
+        self.s = evals.clamp_min(0).sqrt()
+        self.vs = self.loadings(self.u)
+        if self.s.numel() >= self.max_rank:
+            self.a = self.loadings = None
 
 
 @torch.no_grad()
 def _prepare(x: Tensor, z: Tensor, max_rank: int) -> _Fit:
-    """The regression of standardised margins ``z [N, n]`` (overwritten) on inputs ``x [N, d]``, up to ``max_rank``."""
+    """The regression of standardised margins ``z [N, n]`` (overwritten) on inputs ``x [N, d]``, up to ``max_rank``.
+
+    M = L⁻¹C (C = xcᵀzc / N, G = LLᵀ). Above EXACT_EIGH_DIM with fewer tokens than inputs (a 7B: d 4096, 3277
+    training tokens), M Mᵀ = Y (zc zcᵀ) Yᵀ / N² with Y = L⁻¹xcᵀ [d, N] is formed on the token side, without the
+    [d, n] products (M itself is never made: Mᵀ U = zcᵀ (Yᵀ U) / N); the same algebra, a fraction of the FLOPs."""
     n_tok, d = x.shape
     mean_x = x.mean(0, dtype=torch.float64)  # [d]
     xc = x - mean_x.float()  # [N, d]
@@ -55,15 +77,52 @@ def _prepare(x: Tensor, z: Tensor, max_rank: int) -> _Fit:
     var_z = (scale > 1e-12).double()  # [n] 1, or 0 for a constant margin
     g = (xc.T @ xc).double() / n_tok  # [d, d]
     g += torch.eye(d, dtype=torch.float64) * (RIDGE * float(g.diagonal().mean()) + 1e-12)
-    c = (xc.T @ zc).double() / n_tok  # [d, n]
     chol = torch.linalg.cholesky(g)  # [d, d]
-    m = torch.linalg.solve_triangular(chol, c, upper=False)  # [d, n]
-    evals, evecs = torch.linalg.eigh(m @ m.T)  # ascending, [d], [d, d]
     k = min(max_rank, d)
+    first = k if d <= EXACT_EIGH_DIM else min(k, FIRST_RANKS)  # the exact eigh gives every rank at once
+    if d > EXACT_EIGH_DIM and n_tok < d:
+        y = torch.linalg.solve_triangular(chol, xc.T.double(), upper=False)  # [d, N]
+        gram = (zc @ zc.T).double()  # [N, N]
+        a = (y @ gram @ y.T) / (n_tok * n_tok)  # [d, d]
+        del gram
+
+        def loadings(u: Tensor) -> Tensor:
+            return (zc.T @ (y.T @ u).float()).double() / n_tok  # [n, k]
+    else:
+        c = (xc.T @ zc).double() / n_tok  # [d, n]
+        m = torch.linalg.solve_triangular(chol, c, upper=False)  # [d, n]
+        del c
+        a = m @ m.T  # [d, d]
+
+        def loadings(u: Tensor) -> Tensor:
+            return m.T @ u  # [n, k]
+    evals, u = top_eigh(a, first)  # [first] descending, [d, first]
+    s = evals.clamp_min(0).sqrt()  # [first]
+    more = first < k
+    return _Fit(mean_x, raw_mean / scale, chol, u, s, loadings(u), var_z, a if more else None,
+                loadings if more else None, k)
+
+
+@torch.no_grad()
+def top_eigh(a: Tensor, k: int, exact_dim: int = EXACT_EIGH_DIM, seed: int = 0) -> tuple[Tensor, Tensor]:
+    """The ``k`` largest eigenvalues (descending, ``[k]``) and their eigenvectors (``[d, k]``) of the symmetric
+    positive semi-definite ``a [d, d]``: the full ``eigh`` up to ``exact_dim`` (or when ``k`` is most of ``d``),
+    else seeded subspace iteration on ``k`` + oversampling columns (``POWER_ITERS`` rounds, then Rayleigh-Ritz),
+    GEMMs instead of a tridiagonalisation: the top eigenpairs to ~1e-10 relative where the spectrum decays."""
+    d = a.shape[0]
+    k = max(1, min(k, d))
+    if d <= exact_dim or 2 * k >= d:
+        evals, evecs = torch.linalg.eigh(a)  # ascending
+        order = torch.argsort(evals, descending=True)[:k]
+        return evals[order], evecs[:, order]
+    width = min(d, k + max(32, k // 2))
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.linalg.qr(a @ torch.randn(d, width, generator=gen, dtype=a.dtype))[0]  # [d, width]
+    for _ in range(POWER_ITERS):
+        q = torch.linalg.qr(a @ q)[0]
+    evals, vecs = torch.linalg.eigh(q.T @ a @ q)  # [width], [width, width]
     order = torch.argsort(evals, descending=True)[:k]
-    s = evals[order].clamp_min(0).sqrt()  # [k]
-    u = evecs[:, order]  # [d, k]
-    return _Fit(mean_x, raw_mean / scale, chol, u, s, m.T @ u, var_z)
+    return evals[order], q @ vecs[:, order]
 
 
 def _predictor(fit: _Fit, rank: int) -> Predictor:
@@ -139,7 +198,8 @@ def fit_linear_predictor(
 
     best: tuple[float, Predictor, PredictorReport] | None = None
     rises, last = 0, math.inf
-    for rank in sorted(set(int(r) for r in ranks if 1 <= r <= fit.s.numel())):
+    for rank in sorted(set(int(r) for r in ranks if 1 <= r <= fit.max_rank)):
+        fit.ensure(rank)
         pred = round_weights_(_predictor(fit, rank), weight_dtype)
         with torch.no_grad():
             logits = pred(x_hold)  # [H, n]
@@ -156,5 +216,5 @@ def fit_linear_predictor(
         last = cost
         if rises >= 2:
             break
-    assert best is not None, f"no candidate rank in {list(ranks)} is within 1..{fit.s.numel()}"
+    assert best is not None, f"no candidate rank in {list(ranks)} is within 1..{fit.max_rank}"
     return best[1], best[2]

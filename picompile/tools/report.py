@@ -62,7 +62,8 @@ def measured_line(root: Path) -> str:
 
 
 def passes_line(root: Path) -> str:
-    """"load 3.1 s 1.20 GiB, capture 2.0 s 1.31 GiB, …": each build phase's time and peak RSS, or ""."""
+    """"load 3.1 s (cpu 2.9 s) 1.20 GiB, capture 2.0 s (cpu 1.8 s) 1.31 GiB, …": each build phase's wall time,
+    this process's CPU time in it and its peak RSS, or ""."""
     from picompile.formats.artifact import read_manifest_json
 
     try:
@@ -76,9 +77,10 @@ def passes_line(root: Path) -> str:
     for name, row in list(passes.items())[:64]:
         if not isinstance(row, dict):
             continue
-        sec, peak = row.get("seconds"), row.get("peak_rss_bytes")
+        sec, cpu, peak = row.get("seconds"), row.get("cpu_seconds"), row.get("peak_rss_bytes")
         if isinstance(sec, (int, float)) and isinstance(peak, (int, float)) and 0 <= peak < 2**62:
-            parts.append(f"{str(name)[:40]} {sec:.1f} s {peak / 2**30:.2f} GiB")
+            on_cpu = f" (cpu {cpu:.1f} s)" if isinstance(cpu, (int, float)) else ""
+            parts.append(f"{str(name)[:40]} {sec:.1f} s{on_cpu} {peak / 2**30:.2f} GiB")
     return "passes   " + ", ".join(parts) if parts else ""
 
 
