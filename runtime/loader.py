@@ -106,10 +106,28 @@ def align_weights(gm: fx.GraphModule, n_weights: int, mapped: bool = False) -> f
         names = [n for n in names if getattr(gm, n).data_ptr() % ALIGNMENT or not getattr(gm, n).is_contiguous()]
         gm.meta["mapped_bytes"] = sum(getattr(gm, f"{WEIGHT_PREFIX}{i}").nbytes for i in range(n_weights)
                                       if f"{WEIGHT_PREFIX}{i}" not in names)
-    copies = aligned_copies({name: getattr(gm, name) for name in names})
-    gm.meta["realigned_bytes"] = sum(t.nbytes for t in copies.values())
+    from picompile.formats.tensorfile import release_pages
+    from picompile.kernels.loader import HUGE_PAGE_MIN_BYTES
+
+    # the small ones packed together on huge pages; each large one copied, swapped in and its file pages released
+    # before the next (a 7B's 13.5 GB would otherwise be resident twice, mapping and copies, until the last copy)
+    small = [n for n in names if getattr(gm, n).device.type == "cpu" and 0 < getattr(gm, n).nbytes < HUGE_PAGE_MIN_BYTES]
+    copies = aligned_copies({name: getattr(gm, name) for name in small})
+    realigned = sum(t.nbytes for t in copies.values())
     for name, tensor in copies.items():
         gm.register_buffer(name, tensor)
+    packed = set(small)
+    for name in names:
+        if name in packed:
+            continue
+        original = getattr(gm, name)
+        copy = aligned_copies({name: original})[name]
+        gm.register_buffer(name, copy)
+        realigned += copy.nbytes
+        if copy.data_ptr() != original.data_ptr():
+            release_pages([original])  # mapped: its pages leave this process (the page cache keeps them)
+        del original, copy
+    gm.meta["realigned_bytes"] = realigned
     return gm
 
 
