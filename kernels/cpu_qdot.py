@@ -216,6 +216,66 @@ def _down_macro(spec: KernelSpec):  # -> TVMScript macro
     return axpy
 
 
+GROUP: int = 4  # gated FFN: active rows per step of the down part (one y_part load/store per GROUP rows)
+LEAD: int = 1  # gated FFN: the next rows' up and down lines are prefetched this many groups ahead
+
+
+def _down4_macro(spec: KernelSpec):  # -> TVMScript macro
+    """``axpy4(wd, sd, r0..r3, h0..h3, yp, p, n0..n3)``: ``yp[p] += Σ_i h_i · dequant(wd[r_i])`` (float32, per 16
+    elements one ``y_part`` load and store for the four rows: ``q * (h * s)`` each), prefetching the same line of
+    the rows ``n0..n3`` (and their scales' lines)."""
+    B = spec.block
+    int4 = spec.weight_dtype == "int4"
+    sh = _shape(spec)
+    RB, HB, nb = sh["RB"], sh["HB"], sh["nb"]
+    scale_lines = max(1, nb * 2 // 64)  # float16 scales: 64-byte lines per row
+
+    def pf(buf, row, col):
+        return T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(buf[row, col]), 0, 2, 1))
+
+    def lo(qb):
+        return T.Cast("float32x16", T.Cast("int8x16", T.bitwise_and(qb, T.Broadcast(T.uint8(15), 16)))
+                      - T.Broadcast(T.int8(8), 16))
+
+    def hi(qb):
+        return T.Cast("float32x16", T.Cast("int8x16", T.shift_right(qb, T.Broadcast(T.uint8(4), 16)))
+                      - T.Broadcast(T.int8(8), 16))
+
+    @T.macro(hygienic=True)
+    def axpy4(wd, sd, r0, r1, r2, r3, h0, h1, h2, h3, yp, p, n0, n1, n2, n3):
+        for c in range(RB // 64):
+            pf(wd, n0, c * 64)
+            pf(wd, n1, c * 64)
+            pf(wd, n2, c * 64)
+            pf(wd, n3, c * 64)
+            if c < scale_lines:
+                pf(sd, n0, c * 32)
+                pf(sd, n1, c * 32)
+                pf(sd, n2, c * 32)
+                pf(sd, n3, c * 32)
+            for t in T.unroll(4):
+                s0 = T.bind(T.Broadcast(h0 * T.Cast("float32", sd[r0, (c * 64 + t * 16) // HB]), 16))
+                s1 = T.bind(T.Broadcast(h1 * T.Cast("float32", sd[r1, (c * 64 + t * 16) // HB]), 16))
+                s2 = T.bind(T.Broadcast(h2 * T.Cast("float32", sd[r2, (c * 64 + t * 16) // HB]), 16))
+                s3 = T.bind(T.Broadcast(h3 * T.Cast("float32", sd[r3, (c * 64 + t * 16) // HB]), 16))
+                q0 = T.bind(wd[r0, T.ramp(c * 64 + t * 16, 1, 16)])
+                q1 = T.bind(wd[r1, T.ramp(c * 64 + t * 16, 1, 16)])
+                q2 = T.bind(wd[r2, T.ramp(c * 64 + t * 16, 1, 16)])
+                q3 = T.bind(wd[r3, T.ramp(c * 64 + t * 16, 1, 16)])
+                if int4:
+                    e = T.bind(((c * 64 + t * 16) // HB) * B + (c * 64 + t * 16) % HB)
+                    yp[p, T.ramp(e, 1, 16)] = yp[p, T.ramp(e, 1, 16)] + (
+                        lo(q0) * s0 + lo(q1) * s1 + (lo(q2) * s2 + lo(q3) * s3))
+                    yp[p, T.ramp(e + HB, 1, 16)] = yp[p, T.ramp(e + HB, 1, 16)] + (
+                        hi(q0) * s0 + hi(q1) * s1 + (hi(q2) * s2 + hi(q3) * s3))
+                else:
+                    yp[p, T.ramp(c * 64 + t * 16, 1, 16)] = yp[p, T.ramp(c * 64 + t * 16, 1, 16)] + (
+                        T.Cast("float32x16", q0) * s0 + T.Cast("float32x16", q1) * s1
+                        + (T.Cast("float32x16", q2) * s2 + T.Cast("float32x16", q3) * s3))
+
+    return axpy4
+
+
 def describe_ffn(spec: KernelSpec, isa: str, partitions: int) -> tirx.PrimFunc:
     """The one-token fused FFN (``ffn_gated``: arguments ``(x, w_up, s_up, w_gate, s_gate, w_down_t, s_down, idx,
     y)``; ``ffn_relu``: without the gate), the rows cut into ``partitions`` contiguous parts (one per core, as
@@ -237,55 +297,7 @@ def describe_ffn(spec: KernelSpec, isa: str, partitions: int) -> tirx.PrimFunc:
         return tirx.Not(v <= tirx.const(0.0, "float32")) if relu else tirx.const(True, "bool")
 
     if spec.gated:
-        @T.prim_func(check_well_formed=False)
-        def ffn(xh: T.handle, wuh: T.handle, suh: T.handle, wgh: T.handle, sgh: T.handle, wdh: T.handle,
-                sdh: T.handle, idxh: T.handle, yh: T.handle) -> None:
-            T.func_attr({"tirx.noalias": True})
-            k = T.int32()
-            x = T.match_buffer(xh, (d,), "float32", align=64)  # [d_model]
-            wu = T.match_buffer(wuh, (n, RB), qdt, align=64)  # [n_rows, quant bytes]
-            su = T.match_buffer(suh, (n, nb), "float16", align=64)  # [n_rows, blocks]
-            wg = T.match_buffer(wgh, (n, RB), qdt, align=64)
-            sg = T.match_buffer(sgh, (n, nb), "float16", align=64)
-            wd = T.match_buffer(wdh, (n, RB), qdt, align=64)
-            sd = T.match_buffer(sdh, (n, nb), "float16", align=64)
-            idx = T.match_buffer(idxh, (k,), "int32")  # [k]
-            y = T.match_buffer(yh, (d,), "float32", align=64)  # [d_model]
-            xa = T.decl_buffer((RB,), "int8", align=64)
-            xb = T.decl_buffer((RB,), "int8", align=64)
-            xc = T.decl_buffer((NL,), "int32", align=64)
-            xd = T.decl_buffer((NL,), "float32", align=64)
-            dx = T.decl_buffer((nb,), "float32")
-            m16 = T.decl_buffer((16,), "float32", align=64)
-            yp = T.decl_buffer((P, d), "float32", align=64)  # [parts, d_model]
-            gv = T.decl_buffer((k + 1,), "float32")  # [k] the gates
-            prep_x(x, xa, xb, xc, xd, dx, m16)
-            for p in T.parallel(P):
-                acc = T.decl_buffer((16,), "float32", align=64)
-                res = T.decl_buffer((1,), "float32")
-                for i in range(d // 16):
-                    yp[p, T.ramp(i * 16, 1, 16)] = T.Broadcast(T.float32(0), 16)
-                for jj in range((k + P - 1) // P):
-                    if p * ((k + P - 1) // P) + jj < k:
-                        row_dot(wg, sg, xa, xb, xc, xd, idx[p * ((k + P - 1) // P) + jj],
-                                idx[T.min(p * ((k + P - 1) // P) + jj + AHEAD, k - 1)], acc, res)
-                        gv[p * ((k + P - 1) // P) + jj] = res[0]
-                for jj in range((k + P - 1) // P):
-                    if p * ((k + P - 1) // P) + jj < k:
-                        if active(gv[p * ((k + P - 1) // P) + jj]):
-                            row_dot(wu, su, xa, xb, xc, xd, idx[p * ((k + P - 1) // P) + jj],
-                                    idx[p * ((k + P - 1) // P) + jj], acc, res)
-                            axpy(wd, sd, idx[p * ((k + P - 1) // P) + jj],
-                                 _act(act, gv[p * ((k + P - 1) // P) + jj]) * res[0], yp, p, wu,
-                                 idx[T.min(p * ((k + P - 1) // P) + jj + 1, k - 1)],
-                                 T.And(p * ((k + P - 1) // P) + jj + 1 < k,
-                                       active(gv[p * ((k + P - 1) // P) + jj + 1])))
-            for i in range(d // 16):
-                y[T.ramp(i * 16, 1, 16)] = T.Broadcast(T.float32(0), 16)
-                for p in range(P):
-                    y[T.ramp(i * 16, 1, 16)] = y[T.ramp(i * 16, 1, 16)] + yp[p, T.ramp(i * 16, 1, 16)]
-
-        return ffn
+        return _describe_gated(spec, isa, partitions)
 
     @T.prim_func(check_well_formed=False)
     def ffn_relu(xh: T.handle, wuh: T.handle, suh: T.handle, wdh: T.handle, sdh: T.handle, idxh: T.handle,
@@ -331,3 +343,92 @@ def describe_ffn(spec: KernelSpec, isa: str, partitions: int) -> tirx.PrimFunc:
                 y[T.ramp(i * 16, 1, 16)] = y[T.ramp(i * 16, 1, 16)] + yp[p, T.ramp(i * 16, 1, 16)]
 
     return ffn_relu
+
+
+def _describe_gated(spec: KernelSpec, isa: str, partitions: int) -> tirx.PrimFunc:
+    """``ffn_gated`` (``describe_ffn``): per part (one per core, contiguous rows of ``idx``)
+
+    1. the gate dot products of all its rows (integer), prefetched ``AHEAD`` rows ahead;
+    2. the active rows (ReLU: gate > 0; SiLU: all) compacted into a private list with ``act(gate)``, padded to
+       whole groups (and ``LEAD`` more) with the last active row at h = 0 (which re-reads a cached row);
+    3. per group of ``GROUP`` active rows: their up dot products (integer; ``h = act(gate) · up``), then their
+       down rows into the part's ``y_part``, four rows per ``y_part`` load/store (``_down4_macro``); the up rows
+       and the down rows of the group ``LEAD`` ahead are prefetched meanwhile, so every scattered row a part reads
+       after its gates has its lines requested a group ahead (the deciding phase's inactive rows no longer break
+       the prefetch chain);
+    ``y = Σ_p y_part[p]``."""
+    d, n, P = spec.d_model, spec.n_rows, partitions
+    qdt = "uint8" if spec.weight_dtype == "int4" else "int8"
+    sh = _shape(spec)
+    nb, RB, NL = sh["nb"], sh["RB"], sh["NL"]
+    act = spec.act
+    relu = act == "relu"
+    prep_x, row_dot = _macros(spec, isa)
+    axpy4 = _down4_macro(spec)
+    G = GROUP
+    pad = G * (LEAD + 1)
+
+    def active(v: tirx.PrimExpr) -> tirx.PrimExpr:
+        return tirx.Not(v <= tirx.const(0.0, "float32")) if relu else tirx.const(True, "bool")
+
+    @T.prim_func(check_well_formed=False)
+    def ffn(xh: T.handle, wuh: T.handle, suh: T.handle, wgh: T.handle, sgh: T.handle, wdh: T.handle,
+            sdh: T.handle, idxh: T.handle, yh: T.handle) -> None:
+        T.func_attr({"tirx.noalias": True})
+        k = T.int32()
+        x = T.match_buffer(xh, (d,), "float32", align=64)  # [d_model]
+        wu = T.match_buffer(wuh, (n, RB), qdt, align=64)  # [n_rows, quant bytes]
+        su = T.match_buffer(suh, (n, nb), "float16", align=64)  # [n_rows, blocks]
+        wg = T.match_buffer(wgh, (n, RB), qdt, align=64)
+        sg = T.match_buffer(sgh, (n, nb), "float16", align=64)
+        wd = T.match_buffer(wdh, (n, RB), qdt, align=64)
+        sd = T.match_buffer(sdh, (n, nb), "float16", align=64)
+        idx = T.match_buffer(idxh, (k,), "int32")  # [k]
+        y = T.match_buffer(yh, (d,), "float32", align=64)  # [d_model]
+        xa = T.decl_buffer((RB,), "int8", align=64)
+        xb = T.decl_buffer((RB,), "int8", align=64)
+        xc = T.decl_buffer((NL,), "int32", align=64)
+        xd = T.decl_buffer((NL,), "float32", align=64)
+        dx = T.decl_buffer((nb,), "float32")
+        m16 = T.decl_buffer((16,), "float32", align=64)
+        yp = T.decl_buffer((P, d), "float32", align=64)  # [parts, d_model]
+        gv = T.decl_buffer((k + 1,), "float32")  # [k] the gates
+        rows = T.decl_buffer((P, (k + P - 1) // P + pad), "int32")  # [parts, active rows + pad]
+        hh = T.decl_buffer((P, (k + P - 1) // P + pad), "float32")  # act(gate), then h
+        cnt = T.decl_buffer((P * 16,), "int32", align=64)  # cnt[16 p]: the part's active rows (own line)
+        prep_x(x, xa, xb, xc, xd, dx, m16)
+        for p in T.parallel(P):
+            acc = T.decl_buffer((16,), "float32", align=64)
+            res = T.decl_buffer((1,), "float32")
+            for i in range(d // 16):
+                yp[p, T.ramp(i * 16, 1, 16)] = T.Broadcast(T.float32(0), 16)
+            for jj in range((k + P - 1) // P):
+                if p * ((k + P - 1) // P) + jj < k:
+                    row_dot(wg, sg, xa, xb, xc, xd, idx[p * ((k + P - 1) // P) + jj],
+                            idx[T.min(p * ((k + P - 1) // P) + jj + AHEAD, k - 1)], acc, res)
+                    gv[p * ((k + P - 1) // P) + jj] = res[0]
+            cnt[p * 16] = 0
+            for jj in range((k + P - 1) // P):
+                if p * ((k + P - 1) // P) + jj < k:
+                    if active(gv[p * ((k + P - 1) // P) + jj]):
+                        rows[p, cnt[p * 16]] = idx[p * ((k + P - 1) // P) + jj]
+                        hh[p, cnt[p * 16]] = _act(act, gv[p * ((k + P - 1) // P) + jj])
+                        cnt[p * 16] = cnt[p * 16] + 1
+            if cnt[p * 16] > 0:
+                for q in range(pad):
+                    rows[p, cnt[p * 16] + q] = rows[p, cnt[p * 16] - 1]
+                    hh[p, cnt[p * 16] + q] = T.float32(0)
+                for g in range((cnt[p * 16] + G - 1) // G):
+                    for i in range(G):
+                        row_dot(wu, su, xa, xb, xc, xd, rows[p, g * G + i], rows[p, (g + LEAD) * G + i], acc, res)
+                        hh[p, g * G + i] = hh[p, g * G + i] * res[0]
+                    axpy4(wd, sd, rows[p, g * G], rows[p, g * G + 1], rows[p, g * G + 2], rows[p, g * G + 3],
+                          hh[p, g * G], hh[p, g * G + 1], hh[p, g * G + 2], hh[p, g * G + 3], yp, p,
+                          rows[p, (g + LEAD) * G], rows[p, (g + LEAD) * G + 1], rows[p, (g + LEAD) * G + 2],
+                          rows[p, (g + LEAD) * G + 3])
+        for i in range(d // 16):
+            y[T.ramp(i * 16, 1, 16)] = T.Broadcast(T.float32(0), 16)
+            for p in range(P):
+                y[T.ramp(i * 16, 1, 16)] = y[T.ramp(i * 16, 1, 16)] + yp[p, T.ramp(i * 16, 1, 16)]
+
+    return ffn
