@@ -276,6 +276,98 @@ def _down4_macro(spec: KernelSpec):  # -> TVMScript macro
     return axpy4
 
 
+INT_DOWN: bool = True  # gated FFN: the down rows by integer multiply-adds over 4 rows (``_down_int_macro``)
+
+
+def int_down(spec: KernelSpec, isa: str) -> bool:
+    """Whether the gated FFN's down rows take ``_down_int_macro`` (int8 on AVX512-BW alone keeps the float axpy:
+    ``vpmaddubsw``'s int16 pair sums of 255 · 127 would saturate)."""
+    return INT_DOWN and (isa == "vnni" or spec.weight_dtype == "int4")
+
+
+def _down_int_macro(spec: KernelSpec, isa: str):  # -> (scales4, axpy_int): TVMScript macros
+    """The down rows of a group of 4 active rows as integer dot products across the rows (llama.cpp's
+    ``vec_dot_q4_0_q8_0`` with the roles turned: the reduction runs over the 4 rows, not along a row).
+
+    ``scales4``: per block ``b`` the 4 rows' ``c_i = h_i · s_i[b]`` quantized together (``dc = max_i |c_i| / 127``,
+    ``cq_i = round_half_even(c_i / dc)``): ``cw[b]`` the 4 int8 ``cq_i`` packed in one int32, ``cr[b]`` the offset
+    term (int4: ``-8 · Σ cq_i``; int8: ``-128 · Σ cq_i``), ``cd[b] = dc``.
+    ``axpy_int``: per 16 quant bytes of each row (int4: one block of 32 at block 32; int8: 16 elements) the 4 rows'
+    bytes interleaved into 16 int32 lanes (``vpermb``: lane ``e`` = byte ``e`` of rows 0..3), int4 nibbles as they are
+    / int8 quants ``+ 128`` (``^ 0x80``) the u8 operand, ``cw[b]`` the s8 one: one ``vpdpbusd`` (``_dot``) per 16
+    outputs from ``cr[b]``, then ``y_part += dc · float(acc)``: one int → float conversion and one FMA per 16 outputs
+    for the 4 rows, where the float axpy (``_down4_macro``) converts and multiplies each row's elements. The next
+    rows' lines (quants and scales) are prefetched as there."""
+    B = spec.block
+    int4 = spec.weight_dtype == "int4"
+    sh = _shape(spec)
+    RB, HB, nb = sh["RB"], sh["HB"], sh["nb"]
+    scale_lines = max(1, nb * 2 // 64)
+    off = -8 if int4 else -128
+    perm = [tirx.const(16 * i + e, "int32") for e in range(16) for i in range(4)]  # byte 4e + i ← row i, byte e
+    dot = _dot
+
+    def pf(buf, row, col):
+        return T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(buf[row, col]), 0, 2, 1))
+
+    def pack(q0, q1, q2, q3):
+        m = T.Broadcast(T.int32(255), 16)
+        return (T.bitwise_and(q0, m) | T.shift_left(T.bitwise_and(q1, m), T.Broadcast(T.int32(8), 16))
+                | T.shift_left(T.bitwise_and(q2, m), T.Broadcast(T.int32(16), 16))
+                | T.shift_left(q3, T.Broadcast(T.int32(24), 16)))
+
+    @T.macro(hygienic=True)
+    def scales4(sd, r0, r1, r2, r3, h0, h1, h2, h3, cw, cr, cd):
+        for g in range(nb // 16):
+            c0 = T.bind(T.Broadcast(h0, 16) * T.Cast("float32x16", sd[r0, T.ramp(g * 16, 1, 16)]))
+            c1 = T.bind(T.Broadcast(h1, 16) * T.Cast("float32x16", sd[r1, T.ramp(g * 16, 1, 16)]))
+            c2 = T.bind(T.Broadcast(h2, 16) * T.Cast("float32x16", sd[r2, T.ramp(g * 16, 1, 16)]))
+            c3 = T.bind(T.Broadcast(h3, 16) * T.Cast("float32x16", sd[r3, T.ramp(g * 16, 1, 16)]))
+            dd = T.bind(T.max(T.max(T.fabs(c0), T.fabs(c1)), T.max(T.fabs(c2), T.fabs(c3)))
+                        / T.Broadcast(T.float32(127), 16))
+            inv = T.bind(T.Select(dd != T.Broadcast(T.float32(0), 16), T.Broadcast(T.float32(1), 16) / dd,
+                                  T.Broadcast(T.float32(0), 16)))
+            q0 = T.bind(T.Cast("int32x16", T.round(c0 * inv)))
+            q1 = T.bind(T.Cast("int32x16", T.round(c1 * inv)))
+            q2 = T.bind(T.Cast("int32x16", T.round(c2 * inv)))
+            q3 = T.bind(T.Cast("int32x16", T.round(c3 * inv)))
+            cw[T.ramp(g * 16, 1, 16)] = pack(q0, q1, q2, q3)
+            cr[T.ramp(g * 16, 1, 16)] = T.Broadcast(T.int32(off), 16) * (q0 + q1 + (q2 + q3))
+            cd[T.ramp(g * 16, 1, 16)] = dd
+
+    @T.macro(hygienic=True)
+    def axpy_int(wd, sd, r0, r1, r2, r3, cw, cr, cd, yp, p, n0, n1, n2, n3):
+        for c in range(RB // 64):
+            pf(wd, n0, c * 64)
+            pf(wd, n1, c * 64)
+            pf(wd, n2, c * 64)
+            pf(wd, n3, c * 64)
+            if c < scale_lines:
+                pf(sd, n0, c * 32)
+                pf(sd, n1, c * 32)
+                pf(sd, n2, c * 32)
+                pf(sd, n3, c * 32)
+            for t in T.unroll(4):
+                il = T.bind(T.Shuffle([wd[r0, T.ramp(c * 64 + t * 16, 1, 16)], wd[r1, T.ramp(c * 64 + t * 16, 1, 16)],
+                                       wd[r2, T.ramp(c * 64 + t * 16, 1, 16)], wd[r3, T.ramp(c * 64 + t * 16, 1, 16)]],
+                                      perm))
+                cv = T.bind(T.reinterpret("int8x64", T.Broadcast(cw[(c * 64 + t * 16) // HB], 16)))
+                a0 = T.bind(T.Broadcast(cr[(c * 64 + t * 16) // HB], 16))
+                dv = T.bind(T.Broadcast(cd[(c * 64 + t * 16) // HB], 16))
+                if int4:
+                    e = T.bind(((c * 64 + t * 16) // HB) * B + (c * 64 + t * 16) % HB)
+                    yp[p, T.ramp(e, 1, 16)] = yp[p, T.ramp(e, 1, 16)] + T.Cast("float32x16", dot(
+                        isa, a0, T.bitwise_and(il, T.Broadcast(T.uint8(15), 64)), cv)) * dv
+                    yp[p, T.ramp(e + HB, 1, 16)] = yp[p, T.ramp(e + HB, 1, 16)] + T.Cast("float32x16", dot(
+                        isa, a0, T.shift_right(il, T.Broadcast(T.uint8(4), 64)), cv)) * dv
+                else:
+                    yp[p, T.ramp(c * 64 + t * 16, 1, 16)] = yp[p, T.ramp(c * 64 + t * 16, 1, 16)] + T.Cast(
+                        "float32x16", dot(isa, a0, T.bitwise_xor(T.reinterpret("uint8x64", il),
+                                                                 T.Broadcast(T.uint8(128), 64)), cv)) * dv
+
+    return scales4, axpy_int
+
+
 def describe_ffn(spec: KernelSpec, isa: str, partitions: int) -> tirx.PrimFunc:
     """The one-token fused FFN (``ffn_gated``: arguments ``(x, w_up, s_up, w_gate, s_gate, w_down_t, s_down, idx,
     y)``; ``ffn_relu``: without the gate), the rows cut into ``partitions`` contiguous parts (one per core, as
@@ -365,6 +457,8 @@ def _describe_gated(spec: KernelSpec, isa: str, partitions: int) -> tirx.PrimFun
     relu = act == "relu"
     prep_x, row_dot = _macros(spec, isa)
     axpy4 = _down4_macro(spec)
+    integer_down = int_down(spec, isa)
+    scales4, axpy_int = _down_int_macro(spec, isa)
     G = GROUP
     pad = G * (LEAD + 1)
 
@@ -400,6 +494,9 @@ def _describe_gated(spec: KernelSpec, isa: str, partitions: int) -> tirx.PrimFun
         for p in T.parallel(P):
             acc = T.decl_buffer((16,), "float32", align=64)
             res = T.decl_buffer((1,), "float32")
+            cw = T.decl_buffer((nb,), "int32", align=64)  # integer down: the group's packed int8 h·s per block
+            cr = T.decl_buffer((nb,), "int32", align=64)  # its offset term per block
+            cd = T.decl_buffer((nb,), "float32", align=64)  # its scale per block
             for i in range(d // 16):
                 yp[p, T.ramp(i * 16, 1, 16)] = T.Broadcast(T.float32(0), 16)
             for jj in range((k + P - 1) // P):
@@ -422,10 +519,17 @@ def _describe_gated(spec: KernelSpec, isa: str, partitions: int) -> tirx.PrimFun
                     for i in range(G):
                         row_dot(wu, su, xa, xb, xc, xd, rows[p, g * G + i], rows[p, (g + LEAD) * G + i], acc, res)
                         hh[p, g * G + i] = hh[p, g * G + i] * res[0]
-                    axpy4(wd, sd, rows[p, g * G], rows[p, g * G + 1], rows[p, g * G + 2], rows[p, g * G + 3],
-                          hh[p, g * G], hh[p, g * G + 1], hh[p, g * G + 2], hh[p, g * G + 3], yp, p,
-                          rows[p, (g + LEAD) * G], rows[p, (g + LEAD) * G + 1], rows[p, (g + LEAD) * G + 2],
-                          rows[p, (g + LEAD) * G + 3])
+                    if integer_down:
+                        scales4(sd, rows[p, g * G], rows[p, g * G + 1], rows[p, g * G + 2], rows[p, g * G + 3],
+                                hh[p, g * G], hh[p, g * G + 1], hh[p, g * G + 2], hh[p, g * G + 3], cw, cr, cd)
+                        axpy_int(wd, sd, rows[p, g * G], rows[p, g * G + 1], rows[p, g * G + 2], rows[p, g * G + 3],
+                                 cw, cr, cd, yp, p, rows[p, (g + LEAD) * G], rows[p, (g + LEAD) * G + 1],
+                                 rows[p, (g + LEAD) * G + 2], rows[p, (g + LEAD) * G + 3])
+                    else:
+                        axpy4(wd, sd, rows[p, g * G], rows[p, g * G + 1], rows[p, g * G + 2], rows[p, g * G + 3],
+                              hh[p, g * G], hh[p, g * G + 1], hh[p, g * G + 2], hh[p, g * G + 3], yp, p,
+                              rows[p, (g + LEAD) * G], rows[p, (g + LEAD) * G + 1], rows[p, (g + LEAD) * G + 2],
+                              rows[p, (g + LEAD) * G + 3])
         for i in range(d // 16):
             y[T.ramp(i * 16, 1, 16)] = T.Broadcast(T.float32(0), 16)
             for p in range(P):
