@@ -101,7 +101,10 @@ def _macros(spec: KernelSpec, isa: str):  # -> (prep_x, row_dot): TVMScript macr
             m16[T.ramp(0, 1, 16)] = T.Broadcast(T.float32(0), 16)
             for c in T.unroll(VX):
                 m16[T.ramp(0, 1, 16)] = T.max(m16[T.ramp(0, 1, 16)], T.fabs(x[T.ramp(b * B + c * 16, 1, 16)]))
-            dd = T.bind(T.call_llvm_pure_intrin("float32", "llvm.vector.reduce.fmax", m16[T.ramp(0, 1, 16)])
+            # max |x| of the block: the bits of non-negative floats order as unsigned integers, and an integer
+            # reduction is a shuffle tree (llvm's fmax reduction is a serial chain of NaN-checking compares)
+            dd = T.bind(T.reinterpret("float32", T.call_llvm_pure_intrin(
+                "uint32", "llvm.vector.reduce.umax", T.reinterpret("uint32x16", m16[T.ramp(0, 1, 16)])))
                         / T.float32(127))
             dx[b] = dd
             inv = T.bind(T.Select(dd != T.float32(0), T.float32(1) / dd, T.float32(0)))
