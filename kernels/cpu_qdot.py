@@ -187,38 +187,6 @@ def describe_up(spec: KernelSpec, isa: str) -> tirx.PrimFunc:
     return up
 
 
-def _down_macro(spec: KernelSpec):  # -> TVMScript macro
-    """``axpy(wd, sd, row, hv, yp, p, wp, nxt, go)``: ``yp[p] += hv * dequant(wd[row])`` (float32, as the float
-    kernels' down rows: ``q * (h * s)``), prefetching the lines of ``wd[nxt]`` and ``wp[nxt]`` when ``go``."""
-    B = spec.block
-    int4 = spec.weight_dtype == "int4"
-    sh = _shape(spec)
-    RB, HB = sh["RB"], sh["HB"]
-
-    @T.macro(hygienic=True)
-    def axpy(wd, sd, row, hv, yp, p, wp, nxt, go):
-        for c in range(RB // 64):
-            if go:
-                T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(wd[nxt, c * 64]), 0, 2, 1))
-                T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(wp[nxt, c * 64]), 0, 2, 1))
-            for t in T.unroll(4):
-                sc = T.bind(hv * T.Cast("float32", sd[row, (c * 64 + t * 16) // HB]))
-                qb = T.bind(wd[row, T.ramp(c * 64 + t * 16, 1, 16)])
-                if int4:
-                    e = T.bind(((c * 64 + t * 16) // HB) * B + (c * 64 + t * 16) % HB)
-                    yp[p, T.ramp(e, 1, 16)] = yp[p, T.ramp(e, 1, 16)] + T.Cast("float32x16", T.Cast(
-                        "int8x16", T.bitwise_and(qb, T.Broadcast(T.uint8(15), 16))) - T.Broadcast(T.int8(8), 16)) \
-                        * T.Broadcast(sc, 16)
-                    yp[p, T.ramp(e + HB, 1, 16)] = yp[p, T.ramp(e + HB, 1, 16)] + T.Cast("float32x16", T.Cast(
-                        "int8x16", T.shift_right(qb, T.Broadcast(T.uint8(4), 16))) - T.Broadcast(T.int8(8), 16)) \
-                        * T.Broadcast(sc, 16)
-                else:
-                    yp[p, T.ramp(c * 64 + t * 16, 1, 16)] = yp[p, T.ramp(c * 64 + t * 16, 1, 16)] \
-                        + T.Cast("float32x16", qb) * T.Broadcast(sc, 16)
-
-    return axpy
-
-
 GROUP: int = 4  # gated FFN: active rows per step of the down part (one y_part load/store per GROUP rows)
 LEAD: int = 1  # gated FFN: the next rows' up and down lines are prefetched this many groups ahead
 
@@ -375,69 +343,13 @@ def describe_ffn(spec: KernelSpec, isa: str, partitions: int) -> tirx.PrimFunc:
     """The one-token fused FFN (``ffn_gated``: arguments ``(x, w_up, s_up, w_gate, s_gate, w_down_t, s_down, idx,
     y)``; ``ffn_relu``: without the gate), the rows cut into ``partitions`` contiguous parts (one per core, as
     ``compute.describe_partitioned``): per part, first the deciding dot products (gate; ffn_relu: up and h) of
-    all its rows, then for the active rows (ReLU: decider > 0; SiLU: all) the up dot product and the down row
-    into the part's ``y_part``, prefetching the next row's up row only if it is active; ``y = Σ_p y_part[p]``."""
+    all its rows, then the active rows (ReLU: decider > 0; SiLU: all) compacted and taken 4 at a time
+    (``_describe_gated`` / ``_describe_relu_grouped``): the up dot products (gated) and the 4 down rows into the part's ``y_part``, the next
+    group's lines prefetched; ``y = Σ_p y_part[p]``. (``INT_DOWN = False`` and no integer down for the format:
+    the float down rows, 4 per ``y_part`` load/store.)"""
     if not applies(spec, isa) or spec.kind not in ("ffn_gated", "ffn_relu"):
         raise ValueError(f"no integer dot-product kernel for {spec}")
-    d, n, P = spec.d_model, spec.n_rows, partitions
-    qdt = "uint8" if spec.weight_dtype == "int4" else "int8"
-    sh = _shape(spec)
-    nb, RB, NL = sh["nb"], sh["RB"], sh["NL"]
-    act = spec.act
-    relu = act == "relu"
-    prep_x, row_dot = _macros(spec, isa)
-    axpy = _down_macro(spec)
-
-    def active(v: tirx.PrimExpr) -> tirx.PrimExpr:
-        return tirx.Not(v <= tirx.const(0.0, "float32")) if relu else tirx.const(True, "bool")
-
-    if spec.gated:
-        return _describe_gated(spec, isa, partitions)
-
-    @T.prim_func(check_well_formed=False)
-    def ffn_relu(xh: T.handle, wuh: T.handle, suh: T.handle, wdh: T.handle, sdh: T.handle, idxh: T.handle,
-                 yh: T.handle) -> None:
-        T.func_attr({"tirx.noalias": True})
-        k = T.int32()
-        x = T.match_buffer(xh, (d,), "float32", align=64)  # [d_model]
-        wu = T.match_buffer(wuh, (n, RB), qdt, align=64)  # [n_rows, quant bytes]
-        su = T.match_buffer(suh, (n, nb), "float16", align=64)  # [n_rows, blocks]
-        wd = T.match_buffer(wdh, (n, RB), qdt, align=64)
-        sd = T.match_buffer(sdh, (n, nb), "float16", align=64)
-        idx = T.match_buffer(idxh, (k,), "int32")  # [k]
-        y = T.match_buffer(yh, (d,), "float32", align=64)  # [d_model]
-        xa = T.decl_buffer((RB,), "int8", align=64)
-        xb = T.decl_buffer((RB,), "int8", align=64)
-        xc = T.decl_buffer((NL,), "int32", align=64)
-        xd = T.decl_buffer((NL,), "float32", align=64)
-        dx = T.decl_buffer((nb,), "float32")
-        m16 = T.decl_buffer((16,), "float32", align=64)
-        yp = T.decl_buffer((P, d), "float32", align=64)  # [parts, d_model]
-        hv = T.decl_buffer((k + 1,), "float32")  # [k] h
-        prep_x(x, xa, xb, xc, xd, dx, m16)
-        for p in T.parallel(P):
-            acc = T.decl_buffer((16,), "float32", align=64)
-            res = T.decl_buffer((1,), "float32")
-            for i in range(d // 16):
-                yp[p, T.ramp(i * 16, 1, 16)] = T.Broadcast(T.float32(0), 16)
-            for jj in range((k + P - 1) // P):
-                if p * ((k + P - 1) // P) + jj < k:
-                    row_dot(wu, su, xa, xb, xc, xd, idx[p * ((k + P - 1) // P) + jj],
-                            idx[T.min(p * ((k + P - 1) // P) + jj + AHEAD, k - 1)], acc, res)
-                    hv[p * ((k + P - 1) // P) + jj] = _act(act, res[0])
-            for jj in range((k + P - 1) // P):
-                if p * ((k + P - 1) // P) + jj < k:
-                    if hv[p * ((k + P - 1) // P) + jj] != T.float32(0):
-                        axpy(wd, sd, idx[p * ((k + P - 1) // P) + jj], hv[p * ((k + P - 1) // P) + jj], yp, p,
-                             wd, idx[T.min(p * ((k + P - 1) // P) + jj + 1, k - 1)],
-                             T.And(p * ((k + P - 1) // P) + jj + 1 < k,
-                                   hv[p * ((k + P - 1) // P) + jj + 1] != T.float32(0)))
-        for i in range(d // 16):
-            y[T.ramp(i * 16, 1, 16)] = T.Broadcast(T.float32(0), 16)
-            for p in range(P):
-                y[T.ramp(i * 16, 1, 16)] = y[T.ramp(i * 16, 1, 16)] + yp[p, T.ramp(i * 16, 1, 16)]
-
-    return ffn_relu
+    return (_describe_gated if spec.gated else _describe_relu_grouped)(spec, isa, partitions)
 
 
 def _describe_gated(spec: KernelSpec, isa: str, partitions: int) -> tirx.PrimFunc:
@@ -539,3 +451,88 @@ def _describe_gated(spec: KernelSpec, isa: str, partitions: int) -> tirx.PrimFun
                 y[T.ramp(i * 16, 1, 16)] = y[T.ramp(i * 16, 1, 16)] + yp[p, T.ramp(i * 16, 1, 16)]
 
     return ffn
+
+
+def _describe_relu_grouped(spec: KernelSpec, isa: str, partitions: int) -> tirx.PrimFunc:
+    """``ffn_relu`` (arguments ``(x, w_up, s_up, w_down_t, s_down, idx, y)``) as ``_describe_gated``: per part the
+    up dot products of all its rows (``h = act(up)``, prefetched ``AHEAD`` rows ahead), the rows with ``h != 0``
+    compacted, then per group of 4 their down rows (integer where ``int_down``), the next group's lines
+    prefetched; ``y = Σ_p y_part[p]``."""
+    d, n, P = spec.d_model, spec.n_rows, partitions
+    qdt = "uint8" if spec.weight_dtype == "int4" else "int8"
+    sh = _shape(spec)
+    nb, RB, NL = sh["nb"], sh["RB"], sh["NL"]
+    act = spec.act
+    prep_x, row_dot = _macros(spec, isa)
+    axpy4 = _down4_macro(spec)
+    integer_down = int_down(spec, isa)
+    scales4, axpy_int = _down_int_macro(spec, isa)
+    G = GROUP
+    pad = G * (LEAD + 1)
+
+    @T.prim_func(check_well_formed=False)
+    def ffn_relu(xh: T.handle, wuh: T.handle, suh: T.handle, wdh: T.handle, sdh: T.handle, idxh: T.handle,
+                 yh: T.handle) -> None:
+        T.func_attr({"tirx.noalias": True})
+        k = T.int32()
+        x = T.match_buffer(xh, (d,), "float32", align=64)  # [d_model]
+        wu = T.match_buffer(wuh, (n, RB), qdt, align=64)  # [n_rows, quant bytes]
+        su = T.match_buffer(suh, (n, nb), "float16", align=64)  # [n_rows, blocks]
+        wd = T.match_buffer(wdh, (n, RB), qdt, align=64)
+        sd = T.match_buffer(sdh, (n, nb), "float16", align=64)
+        idx = T.match_buffer(idxh, (k,), "int32")  # [k]
+        y = T.match_buffer(yh, (d,), "float32", align=64)  # [d_model]
+        xa = T.decl_buffer((RB,), "int8", align=64)
+        xb = T.decl_buffer((RB,), "int8", align=64)
+        xc = T.decl_buffer((NL,), "int32", align=64)
+        xd = T.decl_buffer((NL,), "float32", align=64)
+        dx = T.decl_buffer((nb,), "float32")
+        m16 = T.decl_buffer((16,), "float32", align=64)
+        yp = T.decl_buffer((P, d), "float32", align=64)  # [parts, d_model]
+        hv = T.decl_buffer((k + 1,), "float32")  # [k] h
+        rows = T.decl_buffer((P, (k + P - 1) // P + pad), "int32")  # [parts, active rows + pad]
+        hh = T.decl_buffer((P, (k + P - 1) // P + pad), "float32")  # their h
+        cnt = T.decl_buffer((P * 16,), "int32", align=64)  # cnt[16 p]: the part's active rows (own line)
+        prep_x(x, xa, xb, xc, xd, dx, m16)
+        for p in T.parallel(P):
+            acc = T.decl_buffer((16,), "float32", align=64)
+            res = T.decl_buffer((1,), "float32")
+            cw = T.decl_buffer((nb,), "int32", align=64)
+            cr = T.decl_buffer((nb,), "int32", align=64)
+            cd = T.decl_buffer((nb,), "float32", align=64)
+            for i in range(d // 16):
+                yp[p, T.ramp(i * 16, 1, 16)] = T.Broadcast(T.float32(0), 16)
+            for jj in range((k + P - 1) // P):
+                if p * ((k + P - 1) // P) + jj < k:
+                    row_dot(wu, su, xa, xb, xc, xd, idx[p * ((k + P - 1) // P) + jj],
+                            idx[T.min(p * ((k + P - 1) // P) + jj + AHEAD, k - 1)], acc, res)
+                    hv[p * ((k + P - 1) // P) + jj] = _act(act, res[0])
+            cnt[p * 16] = 0
+            for jj in range((k + P - 1) // P):
+                if p * ((k + P - 1) // P) + jj < k:
+                    if hv[p * ((k + P - 1) // P) + jj] != T.float32(0):
+                        rows[p, cnt[p * 16]] = idx[p * ((k + P - 1) // P) + jj]
+                        hh[p, cnt[p * 16]] = hv[p * ((k + P - 1) // P) + jj]
+                        cnt[p * 16] = cnt[p * 16] + 1
+            if cnt[p * 16] > 0:
+                for q in range(pad):
+                    rows[p, cnt[p * 16] + q] = rows[p, cnt[p * 16] - 1]
+                    hh[p, cnt[p * 16] + q] = T.float32(0)
+                for g in range((cnt[p * 16] + G - 1) // G):
+                    if integer_down:
+                        scales4(sd, rows[p, g * G], rows[p, g * G + 1], rows[p, g * G + 2], rows[p, g * G + 3],
+                                hh[p, g * G], hh[p, g * G + 1], hh[p, g * G + 2], hh[p, g * G + 3], cw, cr, cd)
+                        axpy_int(wd, sd, rows[p, g * G], rows[p, g * G + 1], rows[p, g * G + 2], rows[p, g * G + 3],
+                                 cw, cr, cd, yp, p, rows[p, (g + LEAD) * G], rows[p, (g + LEAD) * G + 1],
+                                 rows[p, (g + LEAD) * G + 2], rows[p, (g + LEAD) * G + 3])
+                    else:
+                        axpy4(wd, sd, rows[p, g * G], rows[p, g * G + 1], rows[p, g * G + 2], rows[p, g * G + 3],
+                              hh[p, g * G], hh[p, g * G + 1], hh[p, g * G + 2], hh[p, g * G + 3], yp, p,
+                              rows[p, (g + LEAD) * G], rows[p, (g + LEAD) * G + 1], rows[p, (g + LEAD) * G + 2],
+                              rows[p, (g + LEAD) * G + 3])
+        for i in range(d // 16):
+            y[T.ramp(i * 16, 1, 16)] = T.Broadcast(T.float32(0), 16)
+            for p in range(P):
+                y[T.ramp(i * 16, 1, 16)] = y[T.ramp(i * 16, 1, 16)] + yp[p, T.ramp(i * 16, 1, 16)]
+
+    return ffn_relu

@@ -252,7 +252,8 @@ QDOT_FFN_CASES = [  # kind, act, weight dtype, block, d_model, mcpu, cpu_qdot.IN
     ("ffn_gated", "silu", "int8", 32, 512, "icelake-server", True),
     ("ffn_gated", "silu", "int4", 64, 1024, "skylake-avx512", True),
     ("ffn_gated", "silu", "int8", 32, 512, "skylake-avx512", True),  # AVX512-BW int8: the float down rows
-    ("ffn_relu", "relu", "int4", 64, 1024, "skylake-avx512", False),
+    ("ffn_relu", "relu", "int4", 64, 1024, "skylake-avx512", True),
+    ("ffn_relu", "relu", "int8", 32, 512, "icelake-server", True),
     ("ffn_relu", "relu", "int8", 32, 512, "icelake-server", False),
 ]
 
@@ -277,9 +278,8 @@ def _grouped_down(h: torch.Tensor, rows: torch.Tensor, qd: torch.Tensor, sd: tor
 def test_integer_dot_ffn_matches_quantized_x_reference(case: tuple, tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """The fused one-token FFN with integer up/gate dot products (``cpu_qdot.describe_ffn``): h from
-    ``qdot_reference`` dots (x quantized), y = h · the dequantized down rows in float64 or, for the gated
-    kernels' integer down rows (``cpu_qdot.INT_DOWN``), ``qdown_reference`` over the kernel's groups of 4 active
-    rows per part; < TOL of max |y|, for k = 1, a third and all rows (short last part, skipped inactive rows)."""
+    ``qdot_reference`` dots (x quantized), y = h · the dequantized down rows in float64 or, for the integer down
+    rows (``cpu_qdot.INT_DOWN``), ``qdown_reference`` over the kernel's groups of 4 active rows per part; < TOL of max |y|, for k = 1, a third and all rows (short last part, skipped inactive rows)."""
     import json
 
     from picompile.kernels.qformat import qdot_reference
@@ -293,8 +293,8 @@ def test_integer_dot_ffn_matches_quantized_x_reference(case: tuple, tmp_path: Pa
     kern = load_kernel(build_kernel(spec, tmp_path, mcpu=mcpu), spec)
     isa = json.loads((tmp_path / f"{spec.key()}.json").read_text())["qdot"]
     assert isa in ("vnni", "avx512bw")
-    integer_down = spec.gated and cpu_qdot.int_down(spec, isa)
-    assert integer_down == (int_down and (isa == "vnni" or wdt == "int4") and spec.gated)
+    integer_down = cpu_qdot.int_down(spec, isa)
+    assert integer_down == (int_down and (isa == "vnni" or wdt == "int4"))
     gen = torch.Generator().manual_seed(d + block)
     (qu, su, _), (qg, sg, _), (qd, sd, wd) = (_quantized(spec, gen) for _ in range(3))
     x = as_aligned(torch.randn(d, generator=gen))
