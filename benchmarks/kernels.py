@@ -13,6 +13,11 @@ share of the read bandwidth. ``int4-float`` / ``int8-float``: the same format bu
 products (``build_kernel(..., integer_dot=False)``, the float path), measured in the same rounds: the A/B of
 ``kernels/cpu_qdot.py``.
 
+``--act relu`` with ``--kind ffn_gated`` is ReGLU (the 1B synthetic model's FFN: the gate rows of every selected
+row, up and down rows of the ~half of them that fire on random weights; GB/s still counts all three rows, compare
+the ms); ``--fractions 0.21`` the share the 1B int4 artifact's predictors select; ``int4@DIR`` the kernel that DIR
+holds for the same spec (``DIR/<key>.so``, e.g. built by another checkout's code), measured in the same rounds.
+
 ``--kind up`` measures the dense GEMV instead (kind ``up``, act ``none``, idx = all rows: how every
 linear layer of a model runs), against torch's float32 ``F.linear`` and the copy bandwidth, with
 the weights rotated over enough copies (``--rotate-mib``) that every call reads them from DRAM.
@@ -93,6 +98,10 @@ def main() -> None:
     ap.add_argument("--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "picompile_kernel_cache")
     ap.add_argument("--formats", default=None, help="comma-separated weight formats: the bandwidth-share table")
     ap.add_argument("--block", type=int, default=32, help="--formats: quantization block")
+    ap.add_argument("--act", default=None, help="--formats: the kernel's activation (default: silu for ffn_gated, "
+                    "relu for ffn_relu); relu on ffn_gated is ReGLU, the 1B synthetic model's FFN")
+    ap.add_argument("--fractions", default=None, help="--formats: comma-separated fractions of the rows selected "
+                    "(default 0.01,0.05,0.1,0.25,1)")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -271,14 +280,17 @@ def formats_table(args: argparse.Namespace) -> None:
 
     d, n, kind = args.d_model, args.n_rows, args.kind
     formats = args.formats.split(",")
+    fractions = tuple(float(f) for f in args.fractions.split(",")) if args.fractions else SHARE_FRACTIONS
     gen = torch.Generator().manual_seed(0)
     kernels, layers, row_bytes = {}, {}, {}
     for fmt in formats:
-        base, float_path = fmt.removesuffix("-float"), fmt.endswith("-float")  # int4-float: without cpu_qdot
-        spec = KernelSpec(kind, _ACTS[kind], d, n, base, False, "llvm", block=args.block)
+        name, _, other = fmt.partition("@")  # int4@DIR: DIR's build of the kernel (e.g. another branch's code)
+        base, float_path = name.removesuffix("-float"), name.endswith("-float")  # int4-float: without cpu_qdot
+        spec = KernelSpec(kind, args.act or _ACTS[kind], d, n, base, False, "llvm", block=args.block)
         t0 = time.perf_counter()
         cache = args.cache_dir / "float-path" if float_path else args.cache_dir
-        kernels[fmt] = load_kernel(build_kernel(spec, cache, integer_dot=not float_path), spec)
+        path = Path(other) / f"{spec.key()}.so" if other else build_kernel(spec, cache, integer_dot=not float_path)
+        kernels[fmt] = load_kernel(path, spec)
         row_bytes[fmt] = QFormat(base, args.block).bytes_per_row(d) if spec.quantized else \
             d * torch.empty((), dtype=getattr(torch, base)).element_size()
         mats = 3 if spec.gated else 2 if spec.has_up and spec.has_down else 1
@@ -292,10 +304,10 @@ def formats_table(args: argparse.Namespace) -> None:
     x.copy_(torch.randn(d, generator=gen))
     n_sets = 7  # index sets per fraction, cycled independently of the layer copies (7 is prime to their count)
     idxs = {f: [torch.randperm(n, generator=gen)[: max(1, round(f * n))].sort().values.to(torch.int32)
-                for _ in range(n_sets)] for f in SHARE_FRACTIONS}
-    outs = {f: aligned_empty((d,) if kind != "up" else (idxs[f][0].numel(),)) for f in SHARE_FRACTIONS}
-    hs = {f: aligned_empty((idxs[f][0].numel(),)) for f in SHARE_FRACTIONS}
-    for f in SHARE_FRACTIONS:
+                for _ in range(n_sets)] for f in fractions}
+    outs = {f: aligned_empty((d,) if kind != "up" else (idxs[f][0].numel(),)) for f in fractions}
+    hs = {f: aligned_empty((idxs[f][0].numel(),)) for f in fractions}
+    for f in fractions:
         hs[f].copy_(torch.randn(hs[f].numel(), generator=gen))
     read_src = torch.randn(args.copy_mib * 2**18, generator=gen)
     turn = {fmt: 0 for fmt in formats}
@@ -311,7 +323,7 @@ def formats_table(args: argparse.Namespace) -> None:
 
     calls = {"read": lambda: read_src.sum()}
     for fmt in formats:
-        for frac in SHARE_FRACTIONS:
+        for frac in fractions:
             calls[f"{fmt}@{frac}"] = call(fmt, frac)
     tm = Timings()
     order = list(calls)
@@ -325,12 +337,12 @@ def formats_table(args: argparse.Namespace) -> None:
     print(f"{kind}, d_model {d}, n_rows {n}, block {args.block}, {args.threads} threads, {args.repeats} interleaved "
           f"rounds (medians); read bandwidth {read_gbs:.1f} GB/s (torch sum over {args.copy_mib} MiB, same rounds)")
     header = f"{'format':>8} {'B/row':>6}" + "".join(f" {f'{f * 100:.0f}% ms':>9} {'GB/s':>5} {'share':>5}"
-                                                     for f in SHARE_FRACTIONS)
+                                                     for f in fractions)
     print(header)
     print("-" * len(header))
     for fmt in formats:
         line = f"{fmt:>8} {row_bytes[fmt]:6d}"
-        for frac in SHARE_FRACTIONS:
+        for frac in fractions:
             t = tm.median(f"{fmt}@{frac}")
             gbs = mats * idxs[frac][0].numel() * row_bytes[fmt] / t / 1e9
             line += f" {t * 1e3:9.3f} {gbs:5.1f} {gbs / read_gbs * 100:4.0f}%"

@@ -30,7 +30,7 @@ import torch
 import picompile
 from picompile.tools.traffic import copy_bandwidth
 from picompile.errors import PicompileError
-from picompile.kernels.loader import CALL_ARGS
+from picompile.kernels.loader import call_args
 from picompile.kernels.table import KERNEL_TABLE
 from picompile.runtime import Session
 
@@ -80,12 +80,14 @@ def group(kernel: Any) -> str:
 
 
 def weight_bytes(kernel: Any, args: tuple[Any, ...]) -> int:
-    """Weight bytes one call reads: the selected rows of each weight matrix it takes (bias and x aside)."""
-    named = dict(zip(CALL_ARGS[kernel.spec.kind], args))
+    """Weight bytes one call reads: the selected rows of each weight matrix it takes, quantized ones with their
+    scales (bias and x aside)."""
+    named = dict(zip(call_args(kernel.spec), args))
     if kernel.spec.kind == "predict":  # every row of fc1 and fc2
         return sum(named[n].numel() * named[n].element_size() for n in ("fc1", "fc2"))
     k = int(named["idx"].numel())  # the other kinds read the selected rows of each w_* they take
-    return sum(k * t.shape[1] * t.element_size() for n, t in named.items() if n.startswith("w_") and t is not None)
+    return sum(k * t.shape[1] * t.element_size() for n, t in named.items()
+               if n.startswith(("w_", "s_")) and t is not None)
 
 
 @contextmanager

@@ -101,7 +101,10 @@ def _macros(spec: KernelSpec, isa: str):  # -> (prep_x, row_dot): TVMScript macr
             m16[T.ramp(0, 1, 16)] = T.Broadcast(T.float32(0), 16)
             for c in T.unroll(VX):
                 m16[T.ramp(0, 1, 16)] = T.max(m16[T.ramp(0, 1, 16)], T.fabs(x[T.ramp(b * B + c * 16, 1, 16)]))
-            dd = T.bind(T.call_llvm_pure_intrin("float32", "llvm.vector.reduce.fmax", m16[T.ramp(0, 1, 16)])
+            # max |x| of the block: the bits of non-negative floats order as unsigned integers, and an integer
+            # reduction is a shuffle tree (llvm's fmax reduction is a serial chain of NaN-checking compares)
+            dd = T.bind(T.reinterpret("float32", T.call_llvm_pure_intrin(
+                "uint32", "llvm.vector.reduce.umax", T.reinterpret("uint32x16", m16[T.ramp(0, 1, 16)])))
                         / T.float32(127))
             dx[b] = dd
             inv = T.bind(T.Select(dd != T.float32(0), T.float32(1) / dd, T.float32(0)))
@@ -184,46 +187,183 @@ def describe_up(spec: KernelSpec, isa: str) -> tirx.PrimFunc:
     return up
 
 
-def _down_macro(spec: KernelSpec):  # -> TVMScript macro
-    """``axpy(wd, sd, row, hv, yp, p, wp, nxt, go)``: ``yp[p] += hv * dequant(wd[row])`` (float32, as the float
-    kernels' down rows: ``q * (h * s)``), prefetching the lines of ``wd[nxt]`` and ``wp[nxt]`` when ``go``."""
+GROUP: int = 4  # gated FFN: active rows per step of the down part (one y_part load/store per GROUP rows)
+LEAD: int = 1  # gated FFN: the next rows' up and down lines are prefetched this many groups ahead
+
+
+def _down4_macro(spec: KernelSpec):  # -> TVMScript macro
+    """``axpy4(wd, sd, r0..r3, h0..h3, yp, p, n0..n3)``: ``yp[p] += Σ_i h_i · dequant(wd[r_i])`` (float32, per 16
+    elements one ``y_part`` load and store for the four rows: ``q * (h * s)`` each), prefetching the same line of
+    the rows ``n0..n3`` (and their scales' lines)."""
     B = spec.block
     int4 = spec.weight_dtype == "int4"
     sh = _shape(spec)
-    RB, HB = sh["RB"], sh["HB"]
+    RB, HB, nb = sh["RB"], sh["HB"], sh["nb"]
+    scale_lines = max(1, nb * 2 // 64)  # float16 scales: 64-byte lines per row
+
+    def pf(buf, row, col):
+        return T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(buf[row, col]), 0, 2, 1))
+
+    def lo(qb):
+        return T.Cast("float32x16", T.Cast("int8x16", T.bitwise_and(qb, T.Broadcast(T.uint8(15), 16)))
+                      - T.Broadcast(T.int8(8), 16))
+
+    def hi(qb):
+        return T.Cast("float32x16", T.Cast("int8x16", T.shift_right(qb, T.Broadcast(T.uint8(4), 16)))
+                      - T.Broadcast(T.int8(8), 16))
 
     @T.macro(hygienic=True)
-    def axpy(wd, sd, row, hv, yp, p, wp, nxt, go):
+    def axpy4(wd, sd, r0, r1, r2, r3, h0, h1, h2, h3, yp, p, n0, n1, n2, n3):
         for c in range(RB // 64):
-            if go:
-                T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(wd[nxt, c * 64]), 0, 2, 1))
-                T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(wp[nxt, c * 64]), 0, 2, 1))
+            pf(wd, n0, c * 64)
+            pf(wd, n1, c * 64)
+            pf(wd, n2, c * 64)
+            pf(wd, n3, c * 64)
+            if c < scale_lines:
+                pf(sd, n0, c * 32)
+                pf(sd, n1, c * 32)
+                pf(sd, n2, c * 32)
+                pf(sd, n3, c * 32)
             for t in T.unroll(4):
-                sc = T.bind(hv * T.Cast("float32", sd[row, (c * 64 + t * 16) // HB]))
-                qb = T.bind(wd[row, T.ramp(c * 64 + t * 16, 1, 16)])
+                s0 = T.bind(T.Broadcast(h0 * T.Cast("float32", sd[r0, (c * 64 + t * 16) // HB]), 16))
+                s1 = T.bind(T.Broadcast(h1 * T.Cast("float32", sd[r1, (c * 64 + t * 16) // HB]), 16))
+                s2 = T.bind(T.Broadcast(h2 * T.Cast("float32", sd[r2, (c * 64 + t * 16) // HB]), 16))
+                s3 = T.bind(T.Broadcast(h3 * T.Cast("float32", sd[r3, (c * 64 + t * 16) // HB]), 16))
+                q0 = T.bind(wd[r0, T.ramp(c * 64 + t * 16, 1, 16)])
+                q1 = T.bind(wd[r1, T.ramp(c * 64 + t * 16, 1, 16)])
+                q2 = T.bind(wd[r2, T.ramp(c * 64 + t * 16, 1, 16)])
+                q3 = T.bind(wd[r3, T.ramp(c * 64 + t * 16, 1, 16)])
                 if int4:
                     e = T.bind(((c * 64 + t * 16) // HB) * B + (c * 64 + t * 16) % HB)
-                    yp[p, T.ramp(e, 1, 16)] = yp[p, T.ramp(e, 1, 16)] + T.Cast("float32x16", T.Cast(
-                        "int8x16", T.bitwise_and(qb, T.Broadcast(T.uint8(15), 16))) - T.Broadcast(T.int8(8), 16)) \
-                        * T.Broadcast(sc, 16)
-                    yp[p, T.ramp(e + HB, 1, 16)] = yp[p, T.ramp(e + HB, 1, 16)] + T.Cast("float32x16", T.Cast(
-                        "int8x16", T.shift_right(qb, T.Broadcast(T.uint8(4), 16))) - T.Broadcast(T.int8(8), 16)) \
-                        * T.Broadcast(sc, 16)
+                    yp[p, T.ramp(e, 1, 16)] = yp[p, T.ramp(e, 1, 16)] + (
+                        lo(q0) * s0 + lo(q1) * s1 + (lo(q2) * s2 + lo(q3) * s3))
+                    yp[p, T.ramp(e + HB, 1, 16)] = yp[p, T.ramp(e + HB, 1, 16)] + (
+                        hi(q0) * s0 + hi(q1) * s1 + (hi(q2) * s2 + hi(q3) * s3))
                 else:
-                    yp[p, T.ramp(c * 64 + t * 16, 1, 16)] = yp[p, T.ramp(c * 64 + t * 16, 1, 16)] \
-                        + T.Cast("float32x16", qb) * T.Broadcast(sc, 16)
+                    yp[p, T.ramp(c * 64 + t * 16, 1, 16)] = yp[p, T.ramp(c * 64 + t * 16, 1, 16)] + (
+                        T.Cast("float32x16", q0) * s0 + T.Cast("float32x16", q1) * s1
+                        + (T.Cast("float32x16", q2) * s2 + T.Cast("float32x16", q3) * s3))
 
-    return axpy
+    return axpy4
+
+
+INT_DOWN: bool = True  # gated FFN: the down rows by integer multiply-adds over 4 rows (``_down_int_macro``)
+
+
+def int_down(spec: KernelSpec, isa: str) -> bool:
+    """Whether the gated FFN's down rows take ``_down_int_macro`` (int8 on AVX512-BW alone keeps the float axpy:
+    ``vpmaddubsw``'s int16 pair sums of 255 · 127 would saturate)."""
+    return INT_DOWN and (isa == "vnni" or spec.weight_dtype == "int4")
+
+
+def _down_int_macro(spec: KernelSpec, isa: str):  # -> (scales4, axpy_int): TVMScript macros
+    """The down rows of a group of 4 active rows as integer dot products across the rows (llama.cpp's
+    ``vec_dot_q4_0_q8_0`` with the roles turned: the reduction runs over the 4 rows, not along a row).
+
+    ``scales4``: per block ``b`` the 4 rows' ``c_i = h_i · s_i[b]`` quantized together (``dc = max_i |c_i| / 127``,
+    ``cq_i = round_half_even(c_i / dc)``): ``cw[b]`` the 4 int8 ``cq_i`` packed in one int32, ``cr[b]`` the offset
+    term (int4: ``-8 · Σ cq_i``; int8: ``-128 · Σ cq_i``), ``cd[b] = dc``.
+    ``axpy_int``: per 16 quant bytes of each row (int4: one block of 32 at block 32; int8: 16 elements) the 4 rows'
+    bytes interleaved into 16 int32 lanes (``vpermb``: lane ``e`` = byte ``e`` of rows 0..3), int4 nibbles as they are
+    / int8 quants ``+ 128`` (``^ 0x80``) the u8 operand, ``cw[b]`` the s8 one: one ``vpdpbusd`` (``_dot``) per 16
+    outputs from ``cr[b]``, then ``y_part += dc · float(acc)``: one int → float conversion and one FMA per 16 outputs
+    for the 4 rows, where the float axpy (``_down4_macro``) converts and multiplies each row's elements. The next
+    rows' lines (quants and scales) are prefetched as there."""
+    B = spec.block
+    int4 = spec.weight_dtype == "int4"
+    sh = _shape(spec)
+    RB, HB, nb = sh["RB"], sh["HB"], sh["nb"]
+    scale_lines = max(1, nb * 2 // 64)
+    off = -8 if int4 else -128
+    perm = [tirx.const(16 * i + e, "int32") for e in range(16) for i in range(4)]  # byte 4e + i ← row i, byte e
+    dot = _dot
+
+    def pf(buf, row, col):
+        return T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(buf[row, col]), 0, 2, 1))
+
+    def pack(q0, q1, q2, q3):
+        m = T.Broadcast(T.int32(255), 16)
+        return (T.bitwise_and(q0, m) | T.shift_left(T.bitwise_and(q1, m), T.Broadcast(T.int32(8), 16))
+                | T.shift_left(T.bitwise_and(q2, m), T.Broadcast(T.int32(16), 16))
+                | T.shift_left(q3, T.Broadcast(T.int32(24), 16)))
+
+    @T.macro(hygienic=True)
+    def scales4(sd, r0, r1, r2, r3, h0, h1, h2, h3, cw, cr, cd):
+        for g in range(nb // 16):
+            c0 = T.bind(T.Broadcast(h0, 16) * T.Cast("float32x16", sd[r0, T.ramp(g * 16, 1, 16)]))
+            c1 = T.bind(T.Broadcast(h1, 16) * T.Cast("float32x16", sd[r1, T.ramp(g * 16, 1, 16)]))
+            c2 = T.bind(T.Broadcast(h2, 16) * T.Cast("float32x16", sd[r2, T.ramp(g * 16, 1, 16)]))
+            c3 = T.bind(T.Broadcast(h3, 16) * T.Cast("float32x16", sd[r3, T.ramp(g * 16, 1, 16)]))
+            dd = T.bind(T.max(T.max(T.fabs(c0), T.fabs(c1)), T.max(T.fabs(c2), T.fabs(c3)))
+                        / T.Broadcast(T.float32(127), 16))
+            inv = T.bind(T.Select(dd != T.Broadcast(T.float32(0), 16), T.Broadcast(T.float32(1), 16) / dd,
+                                  T.Broadcast(T.float32(0), 16)))
+            q0 = T.bind(T.Cast("int32x16", T.round(c0 * inv)))
+            q1 = T.bind(T.Cast("int32x16", T.round(c1 * inv)))
+            q2 = T.bind(T.Cast("int32x16", T.round(c2 * inv)))
+            q3 = T.bind(T.Cast("int32x16", T.round(c3 * inv)))
+            cw[T.ramp(g * 16, 1, 16)] = pack(q0, q1, q2, q3)
+            cr[T.ramp(g * 16, 1, 16)] = T.Broadcast(T.int32(off), 16) * (q0 + q1 + (q2 + q3))
+            cd[T.ramp(g * 16, 1, 16)] = dd
+
+    @T.macro(hygienic=True)
+    def axpy_int(wd, sd, r0, r1, r2, r3, cw, cr, cd, yp, p, n0, n1, n2, n3):
+        for c in range(RB // 64):
+            pf(wd, n0, c * 64)
+            pf(wd, n1, c * 64)
+            pf(wd, n2, c * 64)
+            pf(wd, n3, c * 64)
+            if c < scale_lines:
+                pf(sd, n0, c * 32)
+                pf(sd, n1, c * 32)
+                pf(sd, n2, c * 32)
+                pf(sd, n3, c * 32)
+            for t in T.unroll(4):
+                il = T.bind(T.Shuffle([wd[r0, T.ramp(c * 64 + t * 16, 1, 16)], wd[r1, T.ramp(c * 64 + t * 16, 1, 16)],
+                                       wd[r2, T.ramp(c * 64 + t * 16, 1, 16)], wd[r3, T.ramp(c * 64 + t * 16, 1, 16)]],
+                                      perm))
+                cv = T.bind(T.reinterpret("int8x64", T.Broadcast(cw[(c * 64 + t * 16) // HB], 16)))
+                a0 = T.bind(T.Broadcast(cr[(c * 64 + t * 16) // HB], 16))
+                dv = T.bind(T.Broadcast(cd[(c * 64 + t * 16) // HB], 16))
+                if int4:
+                    e = T.bind(((c * 64 + t * 16) // HB) * B + (c * 64 + t * 16) % HB)
+                    yp[p, T.ramp(e, 1, 16)] = yp[p, T.ramp(e, 1, 16)] + T.Cast("float32x16", dot(
+                        isa, a0, T.bitwise_and(il, T.Broadcast(T.uint8(15), 64)), cv)) * dv
+                    yp[p, T.ramp(e + HB, 1, 16)] = yp[p, T.ramp(e + HB, 1, 16)] + T.Cast("float32x16", dot(
+                        isa, a0, T.shift_right(il, T.Broadcast(T.uint8(4), 64)), cv)) * dv
+                else:
+                    yp[p, T.ramp(c * 64 + t * 16, 1, 16)] = yp[p, T.ramp(c * 64 + t * 16, 1, 16)] + T.Cast(
+                        "float32x16", dot(isa, a0, T.bitwise_xor(T.reinterpret("uint8x64", il),
+                                                                 T.Broadcast(T.uint8(128), 64)), cv)) * dv
+
+    return scales4, axpy_int
 
 
 def describe_ffn(spec: KernelSpec, isa: str, partitions: int) -> tirx.PrimFunc:
     """The one-token fused FFN (``ffn_gated``: arguments ``(x, w_up, s_up, w_gate, s_gate, w_down_t, s_down, idx,
     y)``; ``ffn_relu``: without the gate), the rows cut into ``partitions`` contiguous parts (one per core, as
     ``compute.describe_partitioned``): per part, first the deciding dot products (gate; ffn_relu: up and h) of
-    all its rows, then for the active rows (ReLU: decider > 0; SiLU: all) the up dot product and the down row
-    into the part's ``y_part``, prefetching the next row's up row only if it is active; ``y = Σ_p y_part[p]``."""
+    all its rows, then the active rows (ReLU: decider > 0; SiLU: all) compacted and taken 4 at a time
+    (``_describe_gated`` / ``_describe_relu_grouped``): the up dot products (gated) and the 4 down rows into the part's ``y_part``, the next
+    group's lines prefetched; ``y = Σ_p y_part[p]``. (``INT_DOWN = False`` and no integer down for the format:
+    the float down rows, 4 per ``y_part`` load/store.)"""
     if not applies(spec, isa) or spec.kind not in ("ffn_gated", "ffn_relu"):
         raise ValueError(f"no integer dot-product kernel for {spec}")
+    return (_describe_gated if spec.gated else _describe_relu_grouped)(spec, isa, partitions)
+
+
+def _describe_gated(spec: KernelSpec, isa: str, partitions: int) -> tirx.PrimFunc:
+    """``ffn_gated`` (``describe_ffn``): per part (one per core, contiguous rows of ``idx``)
+
+    1. the gate dot products of all its rows (integer), prefetched ``AHEAD`` rows ahead;
+    2. the active rows (ReLU: gate > 0; SiLU: all) compacted into a private list with ``act(gate)``, padded to
+       whole groups (and ``LEAD`` more) with the last active row at h = 0 (which re-reads a cached row);
+    3. per group of ``GROUP`` active rows: their up dot products (integer; ``h = act(gate) · up``), then their
+       down rows into the part's ``y_part``, four rows per ``y_part`` load/store (``_down4_macro``); the up rows
+       and the down rows of the group ``LEAD`` ahead are prefetched meanwhile, so every scattered row a part reads
+       after its gates has its lines requested a group ahead (the deciding phase's inactive rows no longer break
+       the prefetch chain);
+    ``y = Σ_p y_part[p]``."""
     d, n, P = spec.d_model, spec.n_rows, partitions
     qdt = "uint8" if spec.weight_dtype == "int4" else "int8"
     sh = _shape(spec)
@@ -231,61 +371,104 @@ def describe_ffn(spec: KernelSpec, isa: str, partitions: int) -> tirx.PrimFunc:
     act = spec.act
     relu = act == "relu"
     prep_x, row_dot = _macros(spec, isa)
-    axpy = _down_macro(spec)
+    axpy4 = _down4_macro(spec)
+    integer_down = int_down(spec, isa)
+    scales4, axpy_int = _down_int_macro(spec, isa)
+    G = GROUP
+    pad = G * (LEAD + 1)
 
     def active(v: tirx.PrimExpr) -> tirx.PrimExpr:
         return tirx.Not(v <= tirx.const(0.0, "float32")) if relu else tirx.const(True, "bool")
 
-    if spec.gated:
-        @T.prim_func(check_well_formed=False)
-        def ffn(xh: T.handle, wuh: T.handle, suh: T.handle, wgh: T.handle, sgh: T.handle, wdh: T.handle,
-                sdh: T.handle, idxh: T.handle, yh: T.handle) -> None:
-            T.func_attr({"tirx.noalias": True})
-            k = T.int32()
-            x = T.match_buffer(xh, (d,), "float32", align=64)  # [d_model]
-            wu = T.match_buffer(wuh, (n, RB), qdt, align=64)  # [n_rows, quant bytes]
-            su = T.match_buffer(suh, (n, nb), "float16", align=64)  # [n_rows, blocks]
-            wg = T.match_buffer(wgh, (n, RB), qdt, align=64)
-            sg = T.match_buffer(sgh, (n, nb), "float16", align=64)
-            wd = T.match_buffer(wdh, (n, RB), qdt, align=64)
-            sd = T.match_buffer(sdh, (n, nb), "float16", align=64)
-            idx = T.match_buffer(idxh, (k,), "int32")  # [k]
-            y = T.match_buffer(yh, (d,), "float32", align=64)  # [d_model]
-            xa = T.decl_buffer((RB,), "int8", align=64)
-            xb = T.decl_buffer((RB,), "int8", align=64)
-            xc = T.decl_buffer((NL,), "int32", align=64)
-            xd = T.decl_buffer((NL,), "float32", align=64)
-            dx = T.decl_buffer((nb,), "float32")
-            m16 = T.decl_buffer((16,), "float32", align=64)
-            yp = T.decl_buffer((P, d), "float32", align=64)  # [parts, d_model]
-            gv = T.decl_buffer((k + 1,), "float32")  # [k] the gates
-            prep_x(x, xa, xb, xc, xd, dx, m16)
-            for p in T.parallel(P):
-                acc = T.decl_buffer((16,), "float32", align=64)
-                res = T.decl_buffer((1,), "float32")
-                for i in range(d // 16):
-                    yp[p, T.ramp(i * 16, 1, 16)] = T.Broadcast(T.float32(0), 16)
-                for jj in range((k + P - 1) // P):
-                    if p * ((k + P - 1) // P) + jj < k:
-                        row_dot(wg, sg, xa, xb, xc, xd, idx[p * ((k + P - 1) // P) + jj],
-                                idx[T.min(p * ((k + P - 1) // P) + jj + AHEAD, k - 1)], acc, res)
-                        gv[p * ((k + P - 1) // P) + jj] = res[0]
-                for jj in range((k + P - 1) // P):
-                    if p * ((k + P - 1) // P) + jj < k:
-                        if active(gv[p * ((k + P - 1) // P) + jj]):
-                            row_dot(wu, su, xa, xb, xc, xd, idx[p * ((k + P - 1) // P) + jj],
-                                    idx[p * ((k + P - 1) // P) + jj], acc, res)
-                            axpy(wd, sd, idx[p * ((k + P - 1) // P) + jj],
-                                 _act(act, gv[p * ((k + P - 1) // P) + jj]) * res[0], yp, p, wu,
-                                 idx[T.min(p * ((k + P - 1) // P) + jj + 1, k - 1)],
-                                 T.And(p * ((k + P - 1) // P) + jj + 1 < k,
-                                       active(gv[p * ((k + P - 1) // P) + jj + 1])))
+    @T.prim_func(check_well_formed=False)
+    def ffn(xh: T.handle, wuh: T.handle, suh: T.handle, wgh: T.handle, sgh: T.handle, wdh: T.handle,
+            sdh: T.handle, idxh: T.handle, yh: T.handle) -> None:
+        T.func_attr({"tirx.noalias": True})
+        k = T.int32()
+        x = T.match_buffer(xh, (d,), "float32", align=64)  # [d_model]
+        wu = T.match_buffer(wuh, (n, RB), qdt, align=64)  # [n_rows, quant bytes]
+        su = T.match_buffer(suh, (n, nb), "float16", align=64)  # [n_rows, blocks]
+        wg = T.match_buffer(wgh, (n, RB), qdt, align=64)
+        sg = T.match_buffer(sgh, (n, nb), "float16", align=64)
+        wd = T.match_buffer(wdh, (n, RB), qdt, align=64)
+        sd = T.match_buffer(sdh, (n, nb), "float16", align=64)
+        idx = T.match_buffer(idxh, (k,), "int32")  # [k]
+        y = T.match_buffer(yh, (d,), "float32", align=64)  # [d_model]
+        xa = T.decl_buffer((RB,), "int8", align=64)
+        xb = T.decl_buffer((RB,), "int8", align=64)
+        xc = T.decl_buffer((NL,), "int32", align=64)
+        xd = T.decl_buffer((NL,), "float32", align=64)
+        dx = T.decl_buffer((nb,), "float32")
+        m16 = T.decl_buffer((16,), "float32", align=64)
+        yp = T.decl_buffer((P, d), "float32", align=64)  # [parts, d_model]
+        gv = T.decl_buffer((k + 1,), "float32")  # [k] the gates
+        rows = T.decl_buffer((P, (k + P - 1) // P + pad), "int32")  # [parts, active rows + pad]
+        hh = T.decl_buffer((P, (k + P - 1) // P + pad), "float32")  # act(gate), then h
+        cnt = T.decl_buffer((P * 16,), "int32", align=64)  # cnt[16 p]: the part's active rows (own line)
+        prep_x(x, xa, xb, xc, xd, dx, m16)
+        for p in T.parallel(P):
+            acc = T.decl_buffer((16,), "float32", align=64)
+            res = T.decl_buffer((1,), "float32")
+            cw = T.decl_buffer((nb,), "int32", align=64)  # integer down: the group's packed int8 h·s per block
+            cr = T.decl_buffer((nb,), "int32", align=64)  # its offset term per block
+            cd = T.decl_buffer((nb,), "float32", align=64)  # its scale per block
             for i in range(d // 16):
-                y[T.ramp(i * 16, 1, 16)] = T.Broadcast(T.float32(0), 16)
-                for p in range(P):
-                    y[T.ramp(i * 16, 1, 16)] = y[T.ramp(i * 16, 1, 16)] + yp[p, T.ramp(i * 16, 1, 16)]
+                yp[p, T.ramp(i * 16, 1, 16)] = T.Broadcast(T.float32(0), 16)
+            for jj in range((k + P - 1) // P):
+                if p * ((k + P - 1) // P) + jj < k:
+                    row_dot(wg, sg, xa, xb, xc, xd, idx[p * ((k + P - 1) // P) + jj],
+                            idx[T.min(p * ((k + P - 1) // P) + jj + AHEAD, k - 1)], acc, res)
+                    gv[p * ((k + P - 1) // P) + jj] = res[0]
+            cnt[p * 16] = 0
+            for jj in range((k + P - 1) // P):
+                if p * ((k + P - 1) // P) + jj < k:
+                    if active(gv[p * ((k + P - 1) // P) + jj]):
+                        rows[p, cnt[p * 16]] = idx[p * ((k + P - 1) // P) + jj]
+                        hh[p, cnt[p * 16]] = _act(act, gv[p * ((k + P - 1) // P) + jj])
+                        cnt[p * 16] = cnt[p * 16] + 1
+            if cnt[p * 16] > 0:
+                for q in range(pad):
+                    rows[p, cnt[p * 16] + q] = rows[p, cnt[p * 16] - 1]
+                    hh[p, cnt[p * 16] + q] = T.float32(0)
+                for g in range((cnt[p * 16] + G - 1) // G):
+                    for i in range(G):
+                        row_dot(wu, su, xa, xb, xc, xd, rows[p, g * G + i], rows[p, (g + LEAD) * G + i], acc, res)
+                        hh[p, g * G + i] = hh[p, g * G + i] * res[0]
+                    if integer_down:
+                        scales4(sd, rows[p, g * G], rows[p, g * G + 1], rows[p, g * G + 2], rows[p, g * G + 3],
+                                hh[p, g * G], hh[p, g * G + 1], hh[p, g * G + 2], hh[p, g * G + 3], cw, cr, cd)
+                        axpy_int(wd, sd, rows[p, g * G], rows[p, g * G + 1], rows[p, g * G + 2], rows[p, g * G + 3],
+                                 cw, cr, cd, yp, p, rows[p, (g + LEAD) * G], rows[p, (g + LEAD) * G + 1],
+                                 rows[p, (g + LEAD) * G + 2], rows[p, (g + LEAD) * G + 3])
+                    else:
+                        axpy4(wd, sd, rows[p, g * G], rows[p, g * G + 1], rows[p, g * G + 2], rows[p, g * G + 3],
+                              hh[p, g * G], hh[p, g * G + 1], hh[p, g * G + 2], hh[p, g * G + 3], yp, p,
+                              rows[p, (g + LEAD) * G], rows[p, (g + LEAD) * G + 1], rows[p, (g + LEAD) * G + 2],
+                              rows[p, (g + LEAD) * G + 3])
+        for i in range(d // 16):
+            y[T.ramp(i * 16, 1, 16)] = T.Broadcast(T.float32(0), 16)
+            for p in range(P):
+                y[T.ramp(i * 16, 1, 16)] = y[T.ramp(i * 16, 1, 16)] + yp[p, T.ramp(i * 16, 1, 16)]
 
-        return ffn
+    return ffn
+
+
+def _describe_relu_grouped(spec: KernelSpec, isa: str, partitions: int) -> tirx.PrimFunc:
+    """``ffn_relu`` (arguments ``(x, w_up, s_up, w_down_t, s_down, idx, y)``) as ``_describe_gated``: per part the
+    up dot products of all its rows (``h = act(up)``, prefetched ``AHEAD`` rows ahead), the rows with ``h != 0``
+    compacted, then per group of 4 their down rows (integer where ``int_down``), the next group's lines
+    prefetched; ``y = Σ_p y_part[p]``."""
+    d, n, P = spec.d_model, spec.n_rows, partitions
+    qdt = "uint8" if spec.weight_dtype == "int4" else "int8"
+    sh = _shape(spec)
+    nb, RB, NL = sh["nb"], sh["RB"], sh["NL"]
+    act = spec.act
+    prep_x, row_dot = _macros(spec, isa)
+    axpy4 = _down4_macro(spec)
+    integer_down = int_down(spec, isa)
+    scales4, axpy_int = _down_int_macro(spec, isa)
+    G = GROUP
+    pad = G * (LEAD + 1)
 
     @T.prim_func(check_well_formed=False)
     def ffn_relu(xh: T.handle, wuh: T.handle, suh: T.handle, wdh: T.handle, sdh: T.handle, idxh: T.handle,
@@ -307,10 +490,16 @@ def describe_ffn(spec: KernelSpec, isa: str, partitions: int) -> tirx.PrimFunc:
         m16 = T.decl_buffer((16,), "float32", align=64)
         yp = T.decl_buffer((P, d), "float32", align=64)  # [parts, d_model]
         hv = T.decl_buffer((k + 1,), "float32")  # [k] h
+        rows = T.decl_buffer((P, (k + P - 1) // P + pad), "int32")  # [parts, active rows + pad]
+        hh = T.decl_buffer((P, (k + P - 1) // P + pad), "float32")  # their h
+        cnt = T.decl_buffer((P * 16,), "int32", align=64)  # cnt[16 p]: the part's active rows (own line)
         prep_x(x, xa, xb, xc, xd, dx, m16)
         for p in T.parallel(P):
             acc = T.decl_buffer((16,), "float32", align=64)
             res = T.decl_buffer((1,), "float32")
+            cw = T.decl_buffer((nb,), "int32", align=64)
+            cr = T.decl_buffer((nb,), "int32", align=64)
+            cd = T.decl_buffer((nb,), "float32", align=64)
             for i in range(d // 16):
                 yp[p, T.ramp(i * 16, 1, 16)] = T.Broadcast(T.float32(0), 16)
             for jj in range((k + P - 1) // P):
@@ -318,13 +507,29 @@ def describe_ffn(spec: KernelSpec, isa: str, partitions: int) -> tirx.PrimFunc:
                     row_dot(wu, su, xa, xb, xc, xd, idx[p * ((k + P - 1) // P) + jj],
                             idx[T.min(p * ((k + P - 1) // P) + jj + AHEAD, k - 1)], acc, res)
                     hv[p * ((k + P - 1) // P) + jj] = _act(act, res[0])
+            cnt[p * 16] = 0
             for jj in range((k + P - 1) // P):
                 if p * ((k + P - 1) // P) + jj < k:
                     if hv[p * ((k + P - 1) // P) + jj] != T.float32(0):
-                        axpy(wd, sd, idx[p * ((k + P - 1) // P) + jj], hv[p * ((k + P - 1) // P) + jj], yp, p,
-                             wd, idx[T.min(p * ((k + P - 1) // P) + jj + 1, k - 1)],
-                             T.And(p * ((k + P - 1) // P) + jj + 1 < k,
-                                   hv[p * ((k + P - 1) // P) + jj + 1] != T.float32(0)))
+                        rows[p, cnt[p * 16]] = idx[p * ((k + P - 1) // P) + jj]
+                        hh[p, cnt[p * 16]] = hv[p * ((k + P - 1) // P) + jj]
+                        cnt[p * 16] = cnt[p * 16] + 1
+            if cnt[p * 16] > 0:
+                for q in range(pad):
+                    rows[p, cnt[p * 16] + q] = rows[p, cnt[p * 16] - 1]
+                    hh[p, cnt[p * 16] + q] = T.float32(0)
+                for g in range((cnt[p * 16] + G - 1) // G):
+                    if integer_down:
+                        scales4(sd, rows[p, g * G], rows[p, g * G + 1], rows[p, g * G + 2], rows[p, g * G + 3],
+                                hh[p, g * G], hh[p, g * G + 1], hh[p, g * G + 2], hh[p, g * G + 3], cw, cr, cd)
+                        axpy_int(wd, sd, rows[p, g * G], rows[p, g * G + 1], rows[p, g * G + 2], rows[p, g * G + 3],
+                                 cw, cr, cd, yp, p, rows[p, (g + LEAD) * G], rows[p, (g + LEAD) * G + 1],
+                                 rows[p, (g + LEAD) * G + 2], rows[p, (g + LEAD) * G + 3])
+                    else:
+                        axpy4(wd, sd, rows[p, g * G], rows[p, g * G + 1], rows[p, g * G + 2], rows[p, g * G + 3],
+                              hh[p, g * G], hh[p, g * G + 1], hh[p, g * G + 2], hh[p, g * G + 3], yp, p,
+                              rows[p, (g + LEAD) * G], rows[p, (g + LEAD) * G + 1], rows[p, (g + LEAD) * G + 2],
+                              rows[p, (g + LEAD) * G + 3])
         for i in range(d // 16):
             y[T.ramp(i * 16, 1, 16)] = T.Broadcast(T.float32(0), 16)
             for p in range(P):

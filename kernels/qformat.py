@@ -128,3 +128,24 @@ def qdot_reference(x: Tensor, q: Tensor, s: Tensor) -> Tensor:
     rows, cols = ints.shape
     blk = (ints.reshape(rows, cols // fmt.block, fmt.block) * xq.long().reshape(1, -1, fmt.block)).sum(-1)
     return (blk.double() * s.double() * dx.double()[None]).sum(-1)
+
+
+def qdown_reference(h: Tensor, q: Tensor, s: Tensor, group: int = 4) -> Tensor:
+    """``Σ_j h[j] · (q, s)[j]`` [cols] as the integer down rows of the gated FFN kernels compute it
+    (``cpu_qdot._down_int_macro``): the rows ``group`` at a time in the order given (the last group padded with
+    h = 0); per group and block ``b`` the rows' ``c_i = h_i · s_i[b]`` (float32) quantized together
+    (``dc = max_i |c_i| / 127``, ``cq_i = round_half_even(c_i · (1 / dc))``, float32 as the kernel), then the exact
+    integer sums ``Σ_i cq_i · quant_i`` (int4: nibble − 8) times ``dc``, summed over the groups in float64."""
+    fmt = format_of(q, s)
+    ints = q.long() if fmt.name == "int8" else unpack_int4(q, fmt.block).long() - 8  # [rows, cols]
+    rows, cols = ints.shape
+    nb = cols // fmt.block
+    pad = (-rows) % group
+    c = torch.cat([h.float()[:, None] * s.float(), torch.zeros(pad, nb)])  # [rows + pad, nb] float32
+    ints = torch.cat([ints, torch.zeros(pad, cols, dtype=torch.long)]).reshape(-1, group, nb, fmt.block)
+    c = c.reshape(-1, group, nb)  # [groups, group, nb]
+    dc = c.abs().amax(1) / 127.0  # [groups, nb]
+    inv = torch.where(dc != 0, 1.0 / torch.where(dc != 0, dc, 1.0), 0.0)
+    cq = torch.round(c * inv[:, None]).long()  # [groups, group, nb]
+    blk = (cq[..., None] * ints).sum(1)  # [groups, nb, block]: exact integer sums over the group's rows
+    return (blk.double() * dc.double()[..., None]).sum(0).reshape(cols)

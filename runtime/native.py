@@ -2,7 +2,7 @@
 
 tvm_linear / tvm_sparse_ffn / tvm_predict (Python bodies: mask → row indices, output allocation, the call
 through tvm_ffi's Python binding) → ``picompile_native::gemv`` / ``sparse_ffn`` / ``predict`` doing the same
-in C++ and calling the kernel through the TVM-FFI C ABI, given the loaded function's handle. With inductor's
+in C++ (int8 / int4 weights: ``qgemv`` / ``qsparse_ffn``, each weight's quants then its float16 scales) and calling the kernel through the TVM-FFI C ABI, given the loaded function's handle. With inductor's
 C++ wrapper the compiled decode step then calls its kernels without entering Python.
 
 The library is built with torch's C++ extension loader at the first compiled load (tens of seconds; cached
@@ -59,6 +59,16 @@ def _register_fakes() -> None:
              w_down_t: torch.Tensor, mask: torch.Tensor | None, fn: int) -> torch.Tensor:
         return torch.empty_like(x)
 
+    @torch.library.register_fake(lib + "qgemv")
+    def _qgemv(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, b: torch.Tensor | None, fn: int) -> torch.Tensor:
+        return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+    @torch.library.register_fake(lib + "qsparse_ffn")
+    def _qffn(x: torch.Tensor, w_up: torch.Tensor, s_up: torch.Tensor, b_up: torch.Tensor | None,
+              w_gate: torch.Tensor | None, s_gate: torch.Tensor | None, w_down_t: torch.Tensor, s_down: torch.Tensor,
+              mask: torch.Tensor | None, fn: int) -> torch.Tensor:
+        return torch.empty_like(x)
+
     @torch.library.register_fake(lib + "predict")
     def _predict(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, offset: torch.Tensor | None,
                  thr: torch.Tensor, fn: int) -> torch.Tensor:
@@ -96,17 +106,22 @@ def _native_call(gm: fx.GraphModule, node: fx.Node, thresholds: _Thresholds) -> 
     if op not in ("tvm_linear", "tvm_sparse_ffn", "tvm_predict"):
         return None
     a = args_of(node)
-    if a.get("s") is not None or a.get("s_up") is not None:  # quantized weights: the Python op passes their scales
-        return None
     if op == "tvm_linear":
         fn = _handle(str(a["kernel"]))
-        return None if fn is None else (native.gemv.default, (a["x"], a["w"], a["b"], fn))
+        if fn is None:
+            return None
+        if a.get("s") is not None:  # int8 / int4 quants and their scales
+            return native.qgemv.default, (a["x"], a["w"], a["s"], a["b"], fn)
+        return native.gemv.default, (a["x"], a["w"], a["b"], fn)
     if op == "tvm_sparse_ffn":
         fn = _handle(str(a["kernel"]))
         if fn is None or get_tensor(gm, a["w_up"]).shape[0] == 0:  # an empty part stays (zeros, no launch)
             return None
         if a.get("b_gate") is not None:  # a gate bias: the Python op passes it (the C++ op has no slot for it)
             return None
+        if a.get("s_up") is not None:
+            return native.qsparse_ffn.default, (a["x"], a["w_up"], a["s_up"], a["b_up"], a["w_gate"], a["s_gate"],
+                                                a["w_down_t"], a["s_down"], a["mask"], fn)
         return native.sparse_ffn.default, (a["x"], a["w_up"], a["b_up"], a["w_gate"], a["w_down_t"], a["mask"], fn)
     fn = _handle(str(a["kernel1"]))
     if fn is None or a["kernel2"]:  # two GEMVs (older artifacts): the Python op

@@ -22,6 +22,7 @@ DLDataType dl_dtype(const at::Tensor& t) {
     case at::kHalf: return DLDataType{kDLFloat, 16, 1};
     case at::kInt: return DLDataType{kDLInt, 32, 1};
     case at::kChar: return DLDataType{kDLInt, 8, 1};
+    case at::kByte: return DLDataType{kDLUInt, 8, 1};  // int4 quants (two per byte)
     default: TORCH_CHECK(false, "picompile_native: unsupported dtype ", t.scalar_type());
   }
 }
@@ -119,6 +120,41 @@ at::Tensor sparse_ffn(const at::Tensor& x, const at::Tensor& w_up, const std::op
   return y.view(x.sizes());
 }
 
+// quantized weights (int8 / int4 quants + float16 scales, kernels/qformat.py): each weight is passed as its
+// quants then its scales, b_up after the gate (kernels.loader.call_args)
+at::Tensor qgemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, const std::optional<at::Tensor>& b,
+                 int64_t fn) {
+  TORCH_CHECK(x.numel() == x.size(-1), "picompile_native::qgemv takes one token");
+  at::Tensor y = at::empty({w.size(0)}, x.options());  // [d_out]
+  call(fn, {aligned(x.reshape({-1})), w, s, all_rows(w.size(0)), y});
+  if (b.has_value()) y.add_(*b);
+  return y.view(out_shape(x, w.size(0)));
+}
+
+at::Tensor qsparse_ffn(const at::Tensor& x, const at::Tensor& w_up, const at::Tensor& s_up,
+                       const std::optional<at::Tensor>& b_up, const std::optional<at::Tensor>& w_gate,
+                       const std::optional<at::Tensor>& s_gate, const at::Tensor& w_down_t, const at::Tensor& s_down,
+                       const std::optional<at::Tensor>& mask, int64_t fn) {
+  const int64_t d = x.size(-1);
+  TORCH_CHECK(x.numel() == d, "picompile_native::qsparse_ffn takes one token");
+  TORCH_CHECK(w_gate.has_value() == s_gate.has_value(), "picompile_native::qsparse_ffn: a gate needs its scales");
+  at::Tensor y = at::empty({d}, x.options());  // [d_model]
+  at::Tensor idx = mask.has_value() ? rows_of(*mask) : all_rows(w_up.size(0));  // [k]
+  if (idx.numel() == 0) return y.zero_().view(x.sizes());
+  std::vector<at::Tensor> args{aligned(x.reshape({-1})), w_up, s_up};
+  if (w_gate.has_value()) {
+    args.push_back(*w_gate);
+    args.push_back(*s_gate);
+  }
+  if (b_up.has_value()) args.push_back(*b_up);
+  args.push_back(w_down_t);
+  args.push_back(s_down);
+  args.push_back(idx);
+  args.push_back(y);
+  call(fn, args);
+  return y.view(x.sizes());
+}
+
 at::Tensor predict(const at::Tensor& x, const at::Tensor& fc1, const at::Tensor& fc2,
                    const std::optional<at::Tensor>& offset, const at::Tensor& thr, int64_t fn) {
   TORCH_CHECK(x.numel() == x.size(-1), "picompile_native::predict takes one token");
@@ -136,11 +172,15 @@ at::Tensor predict(const at::Tensor& x, const at::Tensor& fc1, const at::Tensor&
 TORCH_LIBRARY(picompile_native, m) {
   m.def("gemv(Tensor x, Tensor w, Tensor? b, int fn) -> Tensor");
   m.def("sparse_ffn(Tensor x, Tensor w_up, Tensor? b_up, Tensor? w_gate, Tensor w_down_t, Tensor? mask, int fn) -> Tensor");
+  m.def("qgemv(Tensor x, Tensor w, Tensor s, Tensor? b, int fn) -> Tensor");
+  m.def("qsparse_ffn(Tensor x, Tensor w_up, Tensor s_up, Tensor? b_up, Tensor? w_gate, Tensor? s_gate, Tensor w_down_t, Tensor s_down, Tensor? mask, int fn) -> Tensor");
   m.def("predict(Tensor x, Tensor fc1, Tensor fc2, Tensor? offset, Tensor thr, int fn) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(picompile_native, CPU, m) {
   m.impl("gemv", &gemv);
   m.impl("sparse_ffn", &sparse_ffn);
+  m.impl("qgemv", &qgemv);
+  m.impl("qsparse_ffn", &qsparse_ffn);
   m.impl("predict", &predict);
 }

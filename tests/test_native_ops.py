@@ -96,3 +96,39 @@ def test_unbuildable_library_leaves_python_ops(session: picompile.Session, monke
     assert reason and native.load_library() == reason  # the reason, remembered (one attempt per process)
     compiled = picompile.load(session.root, hybrid="off", compile=True)  # the Python ops (test_compile.py runs them)
     assert compiled.step_fn.native_calls == 0 and compiled.step_fn.native_reason == reason
+
+
+@pytest.fixture(scope="module")
+def quantized_artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """int4 / int8 builds of a llama-relu whose d_model (512) takes the integer-dot kernels (kernels/cpu_qdot.py)."""
+    from picompile.testing import save_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("qnative")
+    ckpt = save_tiny_checkpoint(root / "ckpt", "llama", "relu", seed=7, d_model=512, n_neurons=512, n_heads=8,
+                                n_kv_heads=2)
+    return {dt: picompile.build(ckpt, output=root / f"{dt}.pic", weight_dtype=dt, calibration_tokens=128,
+                                max_seq_len=32, emit=lambda s: None, progress=False) for dt in ("int4", "int8")}
+
+
+@pytest.mark.parametrize("dtype", ["int4", "int8"])
+def test_quantized_decode_graph_is_native(quantized_artifacts: dict[str, Path], dtype: str) -> None:
+    """Quantized GEMVs and sparse FFN parts become ``qgemv`` / ``qsparse_ffn`` (quants and scales passed in C++),
+    and the native decode graph's logits equal the inline (Python op) graph's bit for bit, step after step."""
+    if native.load_library():
+        pytest.skip(f"picompile_native could not be built here: {native.load_library()}")
+    from picompile.runtime.compile import _opaque_copy
+
+    session = picompile.load(quantized_artifacts[dtype], hybrid="off")
+    decode = _opaque_copy(session.graph)
+    n = native.to_native(decode)
+    targets = [str(c.target) for c in decode.graph.nodes if c.op == "call_function"]
+    assert not [t for t in targets if any(op in t for op in LOWERED)]
+    assert sum("picompile_native.qgemv" in t for t in targets) == 2 * 2 + 1  # q/k/v, o per layer; lm_head
+    assert sum("picompile_native.qsparse_ffn" in t for t in targets) >= 2 and n == len(
+        [t for t in targets if t.startswith("picompile_native.")])
+    past_e, past_n = session.empty_past(), session.empty_past()
+    with torch.inference_mode():
+        for tok in (9, 41, 7):
+            want, *past_e = session.graph(torch.tensor([[tok]]), *past_e)
+            got, *past_n = decode(torch.tensor([[tok]]), *past_n)
+            torch.testing.assert_close(got, want, rtol=0, atol=0)

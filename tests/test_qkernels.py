@@ -24,6 +24,7 @@ from picompile.kernels import (
     call_args,
     load_kernel,
 )
+from picompile.kernels import cpu_qdot
 from picompile.kernels.qformat import BLOCKS, QUANT_DTYPES, QFormat, dequantize, quantize
 from picompile.kernels.spec import QUANT_BLOCKS
 from picompile.kernels.spec import QUANT_DTYPES as SPEC_QUANT_DTYPES
@@ -245,30 +246,55 @@ def _host_has(flag: str) -> bool:
         return False
 
 
-QDOT_FFN_CASES = [  # kind, act, weight dtype, block, d_model, mcpu
-    ("ffn_gated", "relu", "int4", 32, 512, "icelake-server"),
-    ("ffn_gated", "silu", "int8", 32, 512, "skylake-avx512"),
-    ("ffn_relu", "relu", "int4", 64, 1024, "skylake-avx512"),
-    ("ffn_relu", "relu", "int8", 32, 512, "icelake-server"),
+QDOT_FFN_CASES = [  # kind, act, weight dtype, block, d_model, mcpu, cpu_qdot.INT_DOWN
+    ("ffn_gated", "relu", "int4", 32, 512, "icelake-server", True),
+    ("ffn_gated", "relu", "int4", 32, 512, "icelake-server", False),
+    ("ffn_gated", "silu", "int8", 32, 512, "icelake-server", True),
+    ("ffn_gated", "silu", "int4", 64, 1024, "skylake-avx512", True),
+    ("ffn_gated", "silu", "int8", 32, 512, "skylake-avx512", True),  # AVX512-BW int8: the float down rows
+    ("ffn_relu", "relu", "int4", 64, 1024, "skylake-avx512", True),
+    ("ffn_relu", "relu", "int8", 32, 512, "icelake-server", True),
+    ("ffn_relu", "relu", "int8", 32, 512, "icelake-server", False),
 ]
 
 
+def _grouped_down(h: torch.Tensor, rows: torch.Tensor, qd: torch.Tensor, sd: torch.Tensor, k: int) -> torch.Tensor:
+    """The integer down rows' reference: the kernel's parts (``build_cores`` contiguous runs of the k rows), in each
+    the active rows (h != 0) in order, 4 at a time (``qdown_reference``)."""
+    from picompile.kernels.cpu import build_cores
+    from picompile.kernels.qformat import qdown_reference
+
+    per = -(-k // build_cores())
+    y = torch.zeros(qd.shape[1] * (2 if qd.dtype == torch.uint8 else 1), dtype=torch.float64)
+    for p0 in range(0, k, per):
+        hp, rp = h[p0:p0 + per], rows[p0:p0 + per]
+        live = hp != 0
+        if live.any():
+            y += qdown_reference(hp[live], qd[rp[live]], sd[rp[live]])
+    return y
+
+
 @pytest.mark.parametrize("case", QDOT_FFN_CASES, ids=lambda c: "-".join(map(str, c)))
-def test_integer_dot_ffn_matches_quantized_x_reference(case: tuple, tmp_path: Path) -> None:
+def test_integer_dot_ffn_matches_quantized_x_reference(case: tuple, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """The fused one-token FFN with integer up/gate dot products (``cpu_qdot.describe_ffn``): h from
-    ``qdot_reference`` dots (x quantized), y = h · the dequantized down rows in float64; < TOL of max |y|,
-    for k = 1, a third and all rows (short last part, skipped inactive rows)."""
+    ``qdot_reference`` dots (x quantized), y = h · the dequantized down rows in float64 or, for the integer down
+    rows (``cpu_qdot.INT_DOWN``), ``qdown_reference`` over the kernel's groups of 4 active rows per part; < TOL of max |y|, for k = 1, a third and all rows (short last part, skipped inactive rows)."""
     import json
 
     from picompile.kernels.qformat import qdot_reference
 
-    kind, act, wdt, block, d, mcpu = case
+    kind, act, wdt, block, d, mcpu, int_down = case
     if not _host_has("avx512bw" if mcpu == "skylake-avx512" else "avx512_vnni"):
         pytest.skip(f"this CPU cannot run {mcpu} code")
     n = 41
     spec = KernelSpec(kind, act, d, n, wdt, False, "llvm", block=block)
+    monkeypatch.setattr(cpu_qdot, "INT_DOWN", int_down)
     kern = load_kernel(build_kernel(spec, tmp_path, mcpu=mcpu), spec)
-    assert json.loads((tmp_path / f"{spec.key()}.json").read_text())["qdot"] in ("vnni", "avx512bw")
+    isa = json.loads((tmp_path / f"{spec.key()}.json").read_text())["qdot"]
+    assert isa in ("vnni", "avx512bw")
+    integer_down = cpu_qdot.int_down(spec, isa)
+    assert integer_down == (int_down and (isa == "vnni" or wdt == "int4"))
     gen = torch.Generator().manual_seed(d + block)
     (qu, su, _), (qg, sg, _), (qd, sd, wd) = (_quantized(spec, gen) for _ in range(3))
     x = as_aligned(torch.randn(d, generator=gen))
@@ -277,7 +303,7 @@ def test_integer_dot_ffn_matches_quantized_x_reference(case: tuple, tmp_path: Pa
         rows = idx.long()
         u = qdot_reference(x, qu, su)[rows]
         h = _act(act, qdot_reference(x, qg, sg)[rows]) * u if spec.gated else _act(act, u)
-        ref = h @ wd[rows]
+        ref = h @ wd[rows] if not integer_down else _grouped_down(h, rows, qd, sd, k)
         y = aligned_empty(d)
         named = {"x": x, "w_up": qu, "s_up": su, "w_gate": qg if spec.gated else None,
                  "s_gate": sg if spec.gated else None, "b_up": None, "w_down_t": qd, "s_down": sd, "idx": idx, "y": y}
