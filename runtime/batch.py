@@ -41,6 +41,7 @@ from torch import Tensor, fx
 
 from picompile.ir.schema import args_of, node_op
 from picompile.runtime.batch_ffn import batched_hybrid, batched_part, split_kernels
+from picompile.runtime.batch_glue import batched_kwargs, stackable, varies, varying_symbols
 from picompile.runtime.batch_predict import batched_predict, gemv_kernel
 from picompile.runtime.hybrid import HYBRID_MASKS, HybridFFN, hybrid_args
 from picompile.runtime.partitions import PART_WEIGHTS, EmptyPartition, InlinePartition, ThreadPartition
@@ -86,7 +87,131 @@ def _batchable(node: fx.Node) -> bool:
     return isinstance(a.get("kernel"), str) and bool(a["kernel"]) and not isinstance(a.get("x"), (list, tuple))
 
 
-_Builder = Callable[[fx.Node, list[dict[fx.Node, Any]]], tuple[Callable[..., Any], tuple[Any, ...]]]
+class Lanes:
+    """Where each node of the one-sequence graph lives in the B-sequence graph being built: ``shared`` (one node
+    for all sequences: weights, constants), ``batched`` (one node, the B sequences' values stacked along dim 0,
+    ``runtime/batch_glue.py``) or ``perseq`` (B nodes). Converts between them on demand (``narrow`` views out of
+    a stacked value, one ``cat`` into one), each conversion made once."""
+
+    def __init__(self, new: fx.Graph, batch: int, syms: set[Any]) -> None:
+        self.new, self.batch, self.syms = new, batch, syms
+        self.lane: dict[fx.Node, str] = {}
+        self.one: dict[fx.Node, fx.Node] = {}  # shared / batched: the node
+        self.seqs: dict[fx.Node, list[fx.Node]] = {}  # perseq: one node per sequence
+        self._narrow: dict[tuple[fx.Node, int], fx.Node] = {}
+        self._cat: dict[fx.Node, fx.Node] = {}
+
+    def set(self, node: fx.Node, lane: str, value: Any) -> None:
+        self.lane[node] = lane
+        if lane == "perseq":
+            self.seqs[node] = list(value)
+        else:
+            self.one[node] = value
+
+    def seq(self, a: fx.Node, b: int) -> fx.Node:
+        """Sequence b's value of ``a``."""
+        lane = self.lane[a]
+        if lane == "perseq":
+            return self.seqs[a][b]
+        if lane == "shared":
+            return self.one[a]
+        if (a, b) not in self._narrow:
+            self._narrow[(a, b)] = self.new.call_function(torch.narrow, (self.one[a], 0, b, 1))
+        return self._narrow[(a, b)]
+
+    def can_stack(self, a: fx.Node) -> bool:
+        lane = self.lane[a]
+        return lane == "batched" or (lane == "perseq" and stackable(a.meta.get("val"), self.syms))
+
+    def stacked(self, a: fx.Node) -> fx.Node | None:
+        """The B values of ``a`` stacked along dim 0, or None when they do not stack."""
+        if not self.can_stack(a):
+            return None
+        if self.lane[a] == "batched":
+            return self.one[a]
+        if a not in self._cat:
+            self._cat[a] = self.new.call_function(torch.cat, ([self.seqs[a][b] for b in range(self.batch)], 0))
+        return self._cat[a]
+
+    def common(self, a: fx.Node) -> fx.Node | None:
+        """The one value of ``a`` every sequence has (shared, or a per-sequence int / SymInt that names no varying
+        symbol: the token count), or None."""
+        if self.lane[a] == "shared":
+            return self.one[a]
+        val = a.meta.get("val")
+        if self.lane[a] == "perseq" and isinstance(val, (int, torch.SymInt)) and not varies(val, self.syms):
+            return self.seqs[a][0]
+        return None
+
+
+def _node_arg(lanes: Lanes, value: Any, stacked: bool) -> Any:
+    """An argument of a batched call: a node stacked (``stacked``) or common, None when absent."""
+    if not isinstance(value, fx.Node):
+        return value
+    return lanes.stacked(value) if stacked else lanes.common(value)
+
+
+def batched_linear_stacked(x: Tensor, w: Tensor, b: Tensor | None, kernel: str, s: Tensor | None = None) -> Tensor:
+    """``tvm_linear`` on x [B, ..., d_in] (the B tokens stacked) → [B, ..., d_out] by the kernel's batched form."""
+    from picompile.kernels import aligned_empty, as_aligned
+    from picompile.kernels.table import find_kernel
+
+    kern = find_kernel(kernel)
+    if kern is None:
+        raise RuntimeError(f"TVM kernel {kernel} (linear) is not loaded")
+    n = x.shape[0]
+    xa = as_aligned(x.reshape(n, -1))  # [B, d_in]
+    y = aligned_empty((n, w.shape[0]))  # [B, d_out]
+    if s is None:
+        kern.unchecked(xa, w, None, None, _rows(w.shape[0]), y)  # type: ignore[attr-defined]
+    else:
+        kern.unchecked(xa, w, s, None, None, None, _rows(w.shape[0]), y)  # type: ignore[attr-defined]
+    if b is not None:
+        y += b
+    return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+def _ffn_call(node: fx.Node, lanes: Lanes) -> tuple[Callable[..., Any], tuple[Any, ...]] | None:
+    """The union-masked call of a sparse FFN node or predictor for the B tokens (``runtime/batch_ffn.py``,
+    ``batch_predict.py``), its x and masks stacked where they stack (else lists), or None (per sequence)."""
+    if node.op != "call_function":
+        return None
+
+    def xs_of(v: Any) -> Any:
+        if not isinstance(v, fx.Node):
+            return [None] * lanes.batch
+        st = lanes.stacked(v)
+        return st if st is not None else [lanes.seq(v, b) for b in range(lanes.batch)]
+
+    def w(v: Any) -> Any:
+        return lanes.one[v] if isinstance(v, fx.Node) else v
+
+    if isinstance(node.target, HybridFFN):
+        keys = (_part_kernel(node.target.hot), _part_kernel(node.target.cold))
+        if None in keys:
+            return None
+        a = hybrid_args(node)
+        weights = {n: w(a[n]) for n in a if n not in ("x", *HYBRID_MASKS)}
+        hot = tuple(weights[n + "_h"] for n in PART_WEIGHTS)
+        cold = tuple(weights[n + "_c"] for n in PART_WEIGHTS)
+        return batched_hybrid, (xs_of(a["x"]), hot, xs_of(a["mask_h"]), cold, xs_of(a["mask_c"]), weights["bias"],
+                                keys[0], keys[1])
+    if node_op(node) == "tvm_predict":
+        if not _predict_ok(node):
+            return None
+        a = args_of(node)
+        return batched_predict, (xs_of(a["x"]), w(a["fc1"]), w(a["fc2"]), float(a["threshold"]), str(a["act"]),
+                                 w(a.get("offset")))
+    if node_op(node) != "tvm_sparse_ffn":
+        return None
+    a = args_of(node)
+    if isinstance(a.get("x"), (list, tuple)) or not (a.get("kernel") == "" or _splittable(a.get("kernel"))):
+        return None
+    ws = {n: w(a.get(n)) for n in (*PART_WEIGHTS, "s_up", "s_gate", "s_down")}
+    return batched_part, (xs_of(a["x"]), ws["w_up"], ws["b_up"], ws["w_gate"], ws["w_down_t"], xs_of(a.get("mask")),
+                          a["kernel"], ws["s_up"], ws["s_gate"], ws["s_down"])
+
+
 _UNBATCHED: dict[str, str] = {}  # fused kernel key (or "predictor N") -> why it runs per sequence ("" = batched)
 
 
@@ -113,129 +238,98 @@ def _part_kernel(part: Any) -> str | None:
     return None  # on the GPU: per sequence
 
 
-def _batchable_ffn(node: fx.Node) -> _Builder | None:
-    """How the B copies of a sparse FFN node become one union-masked call (``runtime/batch_ffn.py``), or None."""
-    if node.op != "call_function":
-        return None
-    if isinstance(node.target, HybridFFN):
-        keys = (_part_kernel(node.target.hot), _part_kernel(node.target.cold))
-        if None in keys:
-            return None
-
-        def hybrid(node: fx.Node, envs: list[dict[fx.Node, Any]]) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-            a = hybrid_args(node)
-            e0 = envs[0]
-            weights = {n: e0[a[n]] if isinstance(a[n], fx.Node) else a[n] for n in a if n not in ("x", *HYBRID_MASKS)}
-            hot = tuple(weights[n + "_h"] for n in PART_WEIGHTS)
-            cold = tuple(weights[n + "_c"] for n in PART_WEIGHTS)
-            xs = [env[a["x"]] for env in envs]
-            mh = [env[a["mask_h"]] if isinstance(a["mask_h"], fx.Node) else None for env in envs]
-            mc = [env[a["mask_c"]] if isinstance(a["mask_c"], fx.Node) else None for env in envs]
-            return batched_hybrid, (xs, hot, mh, cold, mc, weights["bias"], keys[0], keys[1])
-
-        return hybrid
-    if node_op(node) == "tvm_predict":
-        return _batchable_predict(node)
-    if node_op(node) != "tvm_sparse_ffn":
-        return None
-    a = args_of(node)
-    if isinstance(a.get("x"), (list, tuple)) or not (a.get("kernel") == "" or _splittable(a.get("kernel"))):
-        return None
-
-    def part(node: fx.Node, envs: list[dict[fx.Node, Any]]) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-        a = args_of(node)
-        e0 = envs[0]
-        w = {n: e0[a[n]] if isinstance(a.get(n), fx.Node) else a.get(n)
-             for n in (*PART_WEIGHTS, "s_up", "s_gate", "s_down")}
-        xs = [env[a["x"]] for env in envs]
-        masks = [env[a["mask"]] if isinstance(a.get("mask"), fx.Node) else None for env in envs]
-        return batched_part, (xs, w["w_up"], w["b_up"], w["w_gate"], w["w_down_t"], masks, a["kernel"],
-                              w["s_up"], w["s_gate"], w["s_down"])
-
-    return part
-
-
-def _batchable_predict(node: fx.Node) -> _Builder | None:
-    """How the B copies of a ``tvm_predict`` node become one ``batched_predict`` call, or None (per sequence)."""
+def _predict_ok(node: fx.Node) -> bool:
+    """Whether a ``tvm_predict`` node's B copies can be one ``batched_predict`` call (its GEMV kernels built)."""
     a = args_of(node)
     fc1, fc2 = a.get("fc1"), a.get("fc2")
     shapes = [getattr(t, "meta", {}).get("val") for t in (fc1, fc2)]
     if isinstance(a.get("x"), (list, tuple)) or a.get("act") not in ("relu", "none") or None in shapes:
-        return None
+        return False
     try:  # both kernels compile (or come from the cache) here, once per shape
         gemv_kernel(shapes[0].shape[0], shapes[0].shape[1], shapes[0].dtype, str(a["act"]))
         gemv_kernel(shapes[1].shape[0], shapes[1].shape[1], shapes[1].dtype, "none")
     except Exception as e:
         _UNBATCHED[f"predictor {a.get('layer')}"] = f"{type(e).__name__}: {e}"
-        return None
-
-    def predict(node: fx.Node, envs: list[dict[fx.Node, Any]]) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-        a = args_of(node)
-        e0 = envs[0]
-        offset = e0[a["offset"]] if isinstance(a.get("offset"), fx.Node) else None
-        return batched_predict, ([env[a["x"]] for env in envs], e0[a["fc1"]], e0[a["fc2"]], float(a["threshold"]),
-                                 str(a["act"]), offset)
-
-    return predict
+        return False
+    return True
 
 
 def batch_graph(gm: fx.GraphModule, n_past: int, batch: int, union_ffn: bool = False) -> tuple[fx.GraphModule, int]:
     """The B-sequence form of the arena decode graph ``gm`` (see the module docstring). Its inputs, per sequence
-    in order: ids [1, 1], n_past past views (read only for their length), n_past arenas; it returns the B logits.
-    Also returns how many linear calls are shared."""
+    in order: ids [1, 1], n_past past views (read only for their length), n_past arenas; it returns the B logits
+    stacked, [B, 1, vocab]. Also returns how many linear calls are shared."""
     src = gm.graph
     new = fx.Graph()
-    envs: list[dict[fx.Node, Any]] = [{} for _ in range(batch)]
-    shared: dict[fx.Node, fx.Node] = {}  # weight get_attrs: one node for all copies
     placeholders = [n for n in src.nodes if n.op == "placeholder"]
+    lanes = Lanes(new, batch, varying_symbols(src, placeholders[1:1 + n_past]))
     arenas = sorted((int(m.group(1)), n) for n in src.nodes if n.op == "get_attr" and (m := _ARENA.match(str(n.target))))
+    made: dict[fx.Node, list[fx.Node]] = {n: [] for n in placeholders + [n for _, n in arenas]}
     for b in range(batch):
         for n in placeholders:
-            envs[b][n] = new.placeholder(f"{n.name}_s{b}")
-            envs[b][n].meta.update(n.meta)
+            made[n].append(new.placeholder(f"{n.name}_s{b}"))
+            made[n][-1].meta.update(n.meta)
         for i, n in arenas:
-            envs[b][n] = new.placeholder(f"arena{i}_s{b}")
-    n_shared = n_ffn = 0
-    outputs: list[Any] = []
+            made[n].append(new.placeholder(f"arena{i}_s{b}"))
+    for n, nodes in made.items():
+        lanes.set(n, "perseq", nodes)
+    n_shared = n_ffn = n_batched = n_perseq = 0
     for node in src.nodes:
-        if node.op == "placeholder" or (node.op == "get_attr" and _ARENA.match(str(node.target))):
+        if node in lanes.lane:
             continue
         if node.op == "get_attr":
-            shared[node] = new.get_attr(node.target)
-            shared[node].meta.update(node.meta)
-            for env in envs:
-                env[node] = shared[node]
+            g = new.get_attr(node.target)
+            g.meta.update(node.meta)
+            lanes.set(node, "shared", g)
             continue
         if node.op == "output":
             (returned,) = node.args  # the arena graph returns (logits,)
-            outputs = [fx.map_arg(returned[0], lambda a, env=env: env[a]) for env in envs]
+            logits = returned[0]
+            st = lanes.stacked(logits)
+            if st is None:
+                st = new.call_function(torch.cat, ([lanes.seq(logits, b) for b in range(batch)], 0))
+            new.output((st,))
+            continue
+        inputs = node.all_input_nodes
+        if inputs and all(lanes.lane[a] == "shared" for a in inputs) and node.op == "call_function":
+            c = new.node_copy(node, lambda a: lanes.one[a])
+            lanes.set(node, "shared", c)
             continue
         if _batchable(node):
             a = args_of(node)
-            w, bias = a["w"], a.get("b")
-            xs = [env[a["x"]] for env in envs]
-            scale = a.get("s")
-            call = new.call_function(batched_linear, (xs, envs[0][w], envs[0][bias] if bias is not None else None,
-                                                      a["kernel"], envs[0][scale] if scale is not None else None))
-            for b, env in enumerate(envs):
-                env[node] = new.call_function(operator.getitem, (call, b))
-                env[node].meta.update(node.meta)
+            x = lanes.stacked(a["x"])
+            args = (lanes.one[a["w"]], lanes.one[a["b"]] if a.get("b") is not None else None, a["kernel"],
+                    lanes.one[a["s"]] if a.get("s") is not None else None)
+            if x is not None:
+                lanes.set(node, "batched", new.call_function(batched_linear_stacked, (x, *args)))
+            else:
+                call = new.call_function(batched_linear, ([lanes.seq(a["x"], b) for b in range(batch)], *args))
+                lanes.set(node, "perseq", [new.call_function(operator.getitem, (call, b)) for b in range(batch)])
             n_shared += 1
             continue
-        ffn = _batchable_ffn(node) if union_ffn else None  # the FFN parts and predictors
+        ffn = _ffn_call(node, lanes) if union_ffn else None  # the FFN parts and predictors
         if ffn is not None:
-            call = new.call_function(*ffn(node, envs))
-            for b, env in enumerate(envs):
-                env[node] = new.call_function(operator.getitem, (call, b))
-                env[node].meta.update(node.meta)
+            call = new.call_function(*ffn)
+            if isinstance(ffn[1][0], fx.Node):  # x stacked: the result is stacked
+                lanes.set(node, "batched", call)
+            else:
+                lanes.set(node, "perseq", [new.call_function(operator.getitem, (call, b)) for b in range(batch)])
             n_ffn += 1
             continue
-        for env in envs:
-            env[node] = new.node_copy(node, lambda a, env=env: env[a])
-    new.output(tuple(outputs))
+        if node.op == "call_function":
+            stacked = {a for a in inputs if lanes.can_stack(a)}
+            kwargs = batched_kwargs(node, batch, stacked, lanes.syms)
+            if kwargs is not None and all(a in stacked or lanes.common(a) is not None for a in inputs):
+                mapped = fx.map_arg(kwargs, lambda a: _node_arg(lanes, a, a in stacked))
+                lanes.set(node, "batched", new.call_function(node.target, (), mapped))
+                n_batched += 1
+                continue
+        lanes.set(node, "perseq", [new.node_copy(node, lambda a, b=b: lanes.seq(a, b)) for b in range(batch)])
+        n_perseq += 1
     module = fx.GraphModule(gm, new)
     module.graph.lint()
     module.meta["batched_ffns"] = n_ffn
+    module.meta["batched_nodes"] = n_batched  # aten nodes run once on the stacked tokens
+    module.meta["perseq_nodes"] = n_perseq  # nodes run once per sequence (attention, KV writes, positions)
     return module, n_shared
 
 
@@ -305,5 +399,5 @@ class BatchRunner:
             args += [a[:, :, :pos] for a in arenas]
             args += arenas
         with torch.inference_mode():
-            outs = self._graph(len(steps))(*args)
-        return torch.stack([o.reshape(-1, o.shape[-1])[-1] for o in outs])
+            (logits,) = self._graph(len(steps))(*args)  # [B, 1, vocab]
+        return logits.reshape(len(steps), -1, logits.shape[-1])[:, -1]

@@ -59,28 +59,48 @@ def split_kernels(key: str) -> tuple[Any, Any]:
     return _SPLIT[key]
 
 
+def _stack(xs: Tensor | Sequence[Tensor], width: int) -> Tensor:
+    """B tokens' vectors as one [B, width] tensor: ``xs`` stacked already ([B, ..., width]) or a list of B."""
+    if isinstance(xs, Tensor):
+        return xs.reshape(-1, width)
+    return torch.cat([t.reshape(1, width) for t in xs])
+
+
+def _unstack(y: Tensor, xs: Tensor | Sequence[Tensor]) -> Tensor | list[Tensor]:
+    """y [B, d] in the form of ``xs``: stacked like it, or a list of B tensors shaped like its items."""
+    if isinstance(xs, Tensor):
+        return y.reshape(xs.shape)
+    return [y[i].reshape(xs[i].shape) for i in range(len(xs))]
+
+
+def _batch_size(xs: Tensor | Sequence[Tensor]) -> int:
+    return int(xs.shape[0]) if isinstance(xs, Tensor) else len(xs)
+
+
 def batched_part(
-    xs: Sequence[Tensor],  # B tensors [..., d_model], one token each
+    xs: Tensor | Sequence[Tensor],  # [B, ..., d_model] stacked, or B tensors [..., d_model], one token each
     w_up: Optional[Tensor],  # [k, d_model] (int8 / int4: quants); None or k = 0: no rows
     b_up: Optional[Tensor],  # [k]
     w_gate: Optional[Tensor],  # [k, d_model]
     w_down_t: Tensor,  # [k, d_model]
-    masks: Sequence[Optional[Tensor]],  # B tensors [..., k] bool, or None (every row)
+    masks: Tensor | Sequence[Optional[Tensor]],  # [B, ..., k] bool stacked, or B tensors (None: every row)
     kernel: str,  # the part's fused CPU kernel key ("" = no rows)
     s_up: Optional[Tensor] = None,  # [k, d_model / block] float16 scales (quantized weights)
     s_gate: Optional[Tensor] = None,
     s_down: Optional[Tensor] = None,
-) -> list[Tensor]:
+) -> Tensor | list[Tensor]:
     """One FFN partition for B tokens over the union of their masks, each token masked by its own (module
-    docstring) → B outputs [..., d_model] (without b_down: the merge adds it)."""
+    docstring) → B outputs [..., d_model] (without b_down: the merge adds it), stacked when ``xs`` is."""
     from picompile.kernels import aligned_empty, as_aligned
 
     if not kernel or w_up is None or w_up.shape[0] == 0:  # a part with no rows (all on the other device)
-        return [torch.zeros_like(x) for x in xs]
-    d, n_rows, b = xs[0].shape[-1], w_up.shape[0], len(xs)
+        return torch.zeros_like(xs) if isinstance(xs, Tensor) else [torch.zeros_like(x) for x in xs]
+    d, n_rows, b = xs[0].shape[-1], w_up.shape[0], _batch_size(xs)
     up, down = split_kernels(kernel)
-    x = as_aligned(torch.cat([t.reshape(1, d) for t in xs]))  # [B, d_model]
-    if any(m is None for m in masks):
+    x = as_aligned(_stack(xs, d))  # [B, d_model]
+    if isinstance(masks, Tensor):
+        sel = masks.reshape(b, n_rows)  # [B, n_rows]
+    elif any(m is None for m in masks):
         sel = torch.ones((b, n_rows), dtype=torch.bool)
         for i, m in enumerate(masks):
             if m is not None:
@@ -104,23 +124,26 @@ def batched_part(
         down.unchecked(h, w_down_t, idx, y)
     else:
         down.unchecked(h, w_down_t, s_down, idx, y)
-    return [y[i].reshape(xs[i].shape) for i in range(b)]
+    return _unstack(y, xs)
 
 
 def batched_hybrid(
-    xs: Sequence[Tensor],  # B tensors [..., d_model]
+    xs: Tensor | Sequence[Tensor],  # [B, ..., d_model] stacked, or B tensors [..., d_model]
     hot: tuple[Tensor, Optional[Tensor], Optional[Tensor], Tensor],  # w_up, b_up, w_gate, w_down_t [k_hot, …]
-    masks_h: Sequence[Optional[Tensor]],  # B tensors [..., k_hot] bool
+    masks_h: Tensor | Sequence[Optional[Tensor]],  # [B, ..., k_hot] bool (or a list of B)
     cold: tuple[Tensor, Optional[Tensor], Optional[Tensor], Tensor],  # [k_cold, …]
-    masks_c: Sequence[Optional[Tensor]],  # B tensors [..., k_cold] bool
+    masks_c: Tensor | Sequence[Optional[Tensor]],  # [B, ..., k_cold] bool (or a list of B)
     bias: Optional[Tensor],  # [d_model] b_down
     hot_kernel: str,
     cold_kernel: str,
-) -> list[Tensor]:
-    """A ``HybridFFN`` layer (runtime/hybrid.py) for B tokens: each part by :func:`batched_part`, then per token
-    ``merge_parts`` (hot + cold (+ b_down), the one-token order) → B outputs [..., d_model]."""
+) -> Tensor | list[Tensor]:
+    """A ``HybridFFN`` layer (runtime/hybrid.py) for B tokens: each part by :func:`batched_part`, then
+    ``merge_parts`` (hot + cold (+ b_down), the one-token order, elementwise) → B outputs [..., d_model], stacked
+    when ``xs`` is."""
     from picompile.runtime.hybrid import merge_parts
 
     ys_h = batched_part(xs, *hot, masks_h, hot_kernel)
     ys_c = batched_part(xs, *cold, masks_c, cold_kernel)
+    if isinstance(ys_h, Tensor) and isinstance(ys_c, Tensor):
+        return merge_parts(ys_h, ys_c, bias)
     return [merge_parts(h, c, bias) for h, c in zip(ys_h, ys_c)]

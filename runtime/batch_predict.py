@@ -51,20 +51,22 @@ def _rows(n: int) -> Tensor:
 
 
 def batched_predict(
-    xs: Sequence[Tensor],  # B tensors [..., d_model], one token each
+    xs: Tensor | Sequence[Tensor],  # [B, ..., d_model] stacked, or B tensors [..., d_model], one token each
     fc1: Tensor,  # [rank, d_model]
     fc2: Tensor,  # [n_neurons, rank]
     threshold: float,
     act: str,  # between fc1 and fc2: "relu" | "none"
     offset: Optional[Tensor] = None,  # [n_neurons] float32
-) -> list[Tensor]:
-    """B tokens' predicted masks (module docstring) → B tensors [..., n_neurons] bool."""
+) -> Tensor | list[Tensor]:
+    """B tokens' predicted masks (module docstring) → [B, ..., n_neurons] bool (stacked when ``xs`` is, else a
+    list of B)."""
     from picompile.kernels import aligned_empty, as_aligned
 
     rank, d = fc1.shape
     n = fc2.shape[0]
-    b = len(xs)
-    x = as_aligned(torch.cat([t.reshape(1, d) for t in xs]))  # [B, d_model]
+    stacked = isinstance(xs, Tensor)
+    b = int(xs.shape[0]) if stacked else len(xs)
+    x = as_aligned(xs.reshape(b, d) if stacked else torch.cat([t.reshape(1, d) for t in xs]))  # [B, d_model]
     h = aligned_empty((b, rank))  # [B, rank]
     gemv_kernel(rank, d, fc1.dtype, act).unchecked(x, fc1, None, None, _rows(rank), h)
     scores = aligned_empty((b, n))  # [B, n_neurons]
@@ -72,4 +74,6 @@ def batched_predict(
     if offset is not None:
         scores += offset
     mask = scores > threshold  # [B, n_neurons]
+    if stacked:
+        return mask.reshape(*xs.shape[:-1], n)
     return [mask[i].reshape(*xs[i].shape[:-1], n) for i in range(b)]
