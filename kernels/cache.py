@@ -25,7 +25,8 @@ from .spec import KERNEL_ABI_VERSION, KernelSpec
 
 _build_count: int = 0  # compilations done by this process (tests check cache hits with it)
 # the modules whose code decides a compiled kernel's instructions (kernels/*.py that import TVM)
-CODEGEN_MODULES: tuple[str, ...] = ("compute.py", "cpu.py", "cpu_rewrite.py", "cpu_qdot.py", "cuda.py", "input_sparse.py")
+CODEGEN_MODULES: tuple[str, ...] = ("compute.py", "cpu.py", "cpu_rewrite.py", "cpu_qdot.py", "cuda.py", "input_sparse.py",
+                                     "batch_gemv.py")
 
 
 def codegen_fingerprint() -> str:
@@ -154,6 +155,16 @@ def _compile_cpu(spec: KernelSpec, out: Path, mcpu: str | None = None, integer_d
         lib = tvm.compile(mod, target=cpu.host_target(mcpu))
         lib.export_library(str(out))
         return {"batched": False, "arg_names": ["x", "mask", "w_t", "y"], "functions": [key]}
+    if spec.kind == "gemv":  # several tokens, one form (kernels/batch_gemv.py): both names, as "up" has
+        from . import batch_gemv
+
+        if not batch_gemv.supports(spec):
+            raise ValueError(f"kind 'gemv' needs float weights and d_model a multiple of {batch_gemv.LANES}")
+        funcs = {name: batch_gemv.describe(spec, cpu.build_cores()).with_attr("global_symbol", name)
+                 for name in (key, key + "_batch")}
+        lib = tvm.compile(tvm.IRModule(funcs), target=cpu.host_target(mcpu))
+        lib.export_library(str(out))
+        return {"batched": True, "arg_names": ["x", "w_up", "idx", "h"], "functions": sorted(funcs)}
     batched_too = spec.kind != "predict"  # several tokens take the torch reference (ops.predict)
     funcs = {}
     for batched in (False, True) if batched_too else (False,):

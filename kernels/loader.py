@@ -269,6 +269,9 @@ def _signature(spec: KernelSpec, batched: bool) -> list[_Arg]:
     if spec.kind == "input_sparse":  # one token only (kernels/input_sparse.py)
         return [_Arg("x", torch.float32, (n,)), _Arg("mask", torch.int8, (n,)), _Arg("w_t", w, (n, d)),
                 _Arg("y", torch.float32, (d,))]
+    if spec.kind == "gemv":  # several tokens in both forms (kernels/batch_gemv.py)
+        return [_Arg("x", torch.float32, ("t", d)), _Arg("w_up", w, (n, d)), _Arg("idx", torch.int32, ("k",)),
+                _Arg("h", torch.float32, ("t", "k"))]
     tok: tuple[str, ...] = ("t",) if batched else ()
     args: list[_Arg] = []
     if spec.has_up:
@@ -324,6 +327,7 @@ CALL_ARGS: dict[str, tuple[str, ...]] = {
     "down": ("h", "w_down_t", "idx", "y"),
     "predict": ("x", "fc1", "fc2", "offset", "thr", "mask"),
     "input_sparse": ("x", "mask", "w_t", "y"),
+    "gemv": ("x", "w_up", "idx", "h"),
 }
 
 

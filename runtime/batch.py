@@ -42,7 +42,7 @@ from torch import Tensor, fx
 from picompile.ir.schema import args_of, node_op
 from picompile.runtime.batch_ffn import batched_hybrid, batched_part, split_kernels
 from picompile.runtime.batch_glue import batched_kwargs, stackable, varies, varying_symbols
-from picompile.runtime.batch_predict import batched_predict, gemv_kernel
+from picompile.runtime.batch_predict import batched_predict, gemv_kernel, multi_gemv_kernel
 from picompile.runtime.hybrid import HYBRID_MASKS, HybridFFN, hybrid_args
 from picompile.runtime.partitions import PART_WEIGHTS, EmptyPartition, InlinePartition, ThreadPartition
 
@@ -53,21 +53,33 @@ def batched_linear(xs: Sequence[Tensor], w: Tensor, b: Tensor | None, kernel: st
                    s: Tensor | None = None) -> list[Tensor]:
     """``tvm_linear`` for several tokens at once: xs (B tensors [..., d_in], one token each) → B outputs [..., d_out],
     by the kernel's batched form (one pass over the weight rows for all B; int8 / int4: w's quants, s its scales)."""
-    from picompile.kernels import aligned_empty, as_aligned
+    from picompile.kernels import as_aligned
     from picompile.kernels.table import find_kernel
 
     kern = find_kernel(kernel)
     if kern is None:
         raise RuntimeError(f"TVM kernel {kernel} (linear) is not loaded")
     x = as_aligned(torch.cat([t.reshape(1, -1) for t in xs]))  # [B, d_in]
-    y = aligned_empty((len(xs), w.shape[0]))  # [B, d_out]
-    if s is None:
+    y = _linear_rows(x, w, b, kern, s)  # [B, d_out]
+    return [y[i].reshape(*t.shape[:-1], w.shape[0]) for i, t in enumerate(xs)]
+
+
+def _linear_rows(x: Tensor, w: Tensor, b: Tensor | None, kern: Any, s: Tensor | None) -> Tensor:
+    """x [B, d_in] (aligned) → [B, d_out]: float weights by the ``gemv`` kernel (each row read once for all B,
+    ``kernels/batch_gemv.py``), else the linear kernel's batched form (int8 / int4: s the scales)."""
+    from picompile.kernels import aligned_empty
+
+    y = aligned_empty((x.shape[0], w.shape[0]))  # [B, d_out]
+    multi = multi_gemv_kernel(w.shape[0], w.shape[1], w.dtype) if s is None else None
+    if multi is not None:
+        multi.unchecked(x, w, _rows(w.shape[0]), y)
+    elif s is None:
         kern.unchecked(x, w, None, None, _rows(w.shape[0]), y)  # type: ignore[attr-defined]
     else:
         kern.unchecked(x, w, s, None, None, None, _rows(w.shape[0]), y)  # type: ignore[attr-defined]
     if b is not None:
         y += b
-    return [y[i].reshape(*t.shape[:-1], w.shape[0]) for i, t in enumerate(xs)]
+    return y
 
 
 _ROWS: dict[int, Tensor] = {}
@@ -153,21 +165,13 @@ def _node_arg(lanes: Lanes, value: Any, stacked: bool) -> Any:
 
 def batched_linear_stacked(x: Tensor, w: Tensor, b: Tensor | None, kernel: str, s: Tensor | None = None) -> Tensor:
     """``tvm_linear`` on x [B, ..., d_in] (the B tokens stacked) → [B, ..., d_out] by the kernel's batched form."""
-    from picompile.kernels import aligned_empty, as_aligned
+    from picompile.kernels import as_aligned
     from picompile.kernels.table import find_kernel
 
     kern = find_kernel(kernel)
     if kern is None:
         raise RuntimeError(f"TVM kernel {kernel} (linear) is not loaded")
-    n = x.shape[0]
-    xa = as_aligned(x.reshape(n, -1))  # [B, d_in]
-    y = aligned_empty((n, w.shape[0]))  # [B, d_out]
-    if s is None:
-        kern.unchecked(xa, w, None, None, _rows(w.shape[0]), y)  # type: ignore[attr-defined]
-    else:
-        kern.unchecked(xa, w, s, None, None, None, _rows(w.shape[0]), y)  # type: ignore[attr-defined]
-    if b is not None:
-        y += b
+    y = _linear_rows(as_aligned(x.reshape(x.shape[0], -1)), w, b, kern, s)  # [B, d_out]
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 

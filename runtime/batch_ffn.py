@@ -108,11 +108,13 @@ def batched_part(
     else:
         sel = torch.cat([m.reshape(1, n_rows) for m in masks])  # type: ignore[union-attr]  # [B, n_rows]
     idx = sel.any(0).nonzero().squeeze(1).to(torch.int32)  # [k_union]
-    h = aligned_empty((b, idx.numel()))  # [B, k_union]
-    if s_up is None:
-        up.unchecked(x, w_up, w_gate, b_up, idx, h)
-    else:
-        up.unchecked(x, w_up, s_up, w_gate, s_gate, b_up, idx, h)
+    h = _up_by_gemv(x, w_up, b_up, w_gate, idx, up.spec) if s_up is None else None  # [B, k_union]
+    if h is None:
+        h = aligned_empty((b, idx.numel()))  # [B, k_union]
+        if s_up is None:
+            up.unchecked(x, w_up, w_gate, b_up, idx, h)
+        else:
+            up.unchecked(x, w_up, s_up, w_gate, s_gate, b_up, idx, h)
     if b > 1:
         h.masked_fill_(~sel.index_select(1, idx), 0.0)  # each token's own neurons only
     live = h.ne(0).any(0)  # [k_union]: rows some token needs
@@ -125,6 +127,39 @@ def batched_part(
     else:
         down.unchecked(h, w_down_t, s_down, idx, y)
     return _unstack(y, xs)
+
+
+def _up_by_gemv(x: Tensor, w_up: Tensor, b_up: Optional[Tensor], w_gate: Optional[Tensor], idx: Tensor,
+                spec: Any) -> Optional[Tensor]:
+    """The up part ``h`` [B, k] of float weights by the ``gemv`` kernel (each selected row read once for all B
+    tokens, ``kernels/batch_gemv.py``), the activation in torch; None where that kernel is not to be had (the
+    split ``up*`` kernel's batched form then runs)."""
+    from picompile.kernels import aligned_empty, as_aligned
+    from picompile.runtime.batch_predict import multi_gemv_kernel
+
+    if spec.gate_bias or spec.act not in ("relu", "silu", "drelu", "none"):
+        return None
+    kern = multi_gemv_kernel(w_up.shape[0], w_up.shape[1], w_up.dtype)
+    if kern is None:
+        return None
+    b, k = x.shape[0], idx.numel()
+    u = aligned_empty((b, k))  # [B, k]: up rows · x
+    kern.unchecked(x, w_up, idx, u)
+    if b_up is not None:
+        u += b_up.index_select(0, idx).float()
+    if spec.gated:
+        assert w_gate is not None
+        g = aligned_empty((b, k))  # [B, k]: gate rows · x
+        kern.unchecked(x, w_gate, idx, g)
+        if spec.act == "drelu":
+            return as_aligned(g.relu_().mul_(u.relu_()))
+        gate = g.relu_() if spec.act == "relu" else torch.nn.functional.silu(g, inplace=True) if spec.act == "silu" else g
+        return as_aligned(gate.mul_(u))
+    if spec.act == "relu":
+        return as_aligned(u.relu_())
+    if spec.act == "silu":
+        return as_aligned(torch.nn.functional.silu(u, inplace=True))
+    return u
 
 
 def batched_hybrid(

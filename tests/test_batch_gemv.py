@@ -1,0 +1,45 @@
+"""Kind ``gemv`` (``kernels/batch_gemv.py``): several tokens' dot products with selected rows, each row read once
+for all of them. Against a float64 reference, and a token's result independent of how many others it is with."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from picompile.kernels import KernelSpec, KernelSpecError, aligned_empty, as_aligned, build_kernel, load_kernel
+
+TOL = 1e-5  # max abs error / max abs reference: float32 accumulation over float16 / float32 weights
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_gemv_matches_reference_and_is_batch_invariant(tmp_path: Path, dtype: str) -> None:
+    rows, d = 72, 96
+    spec = KernelSpec(kind="gemv", act="none", d_model=d, n_rows=rows, weight_dtype=dtype, has_bias=False,  # type: ignore[arg-type]
+                      target="llvm")
+    kern = load_kernel(build_kernel(spec, tmp_path), spec)
+    g = torch.Generator().manual_seed(0)
+    w = as_aligned(torch.randn(rows, d, generator=g).to(getattr(torch, dtype)))  # [n_rows, d_model]
+    xs = torch.randn(9, d, generator=g)  # [9, d_model]
+    idx = torch.tensor([0, 3, 4, 17, 40, 41, 71], dtype=torch.int32)
+    alone = []
+    for i in range(xs.shape[0]):
+        y1 = aligned_empty((1, idx.numel()))
+        kern(as_aligned(xs[i:i + 1].clone()), w, idx, y1)
+        alone.append(y1[0])
+    for t in (1, 2, 3, 4, 5, 6, 7, 9):  # tiles of 4, 2 and 1 tokens
+        y = aligned_empty((t, idx.numel()))  # [t, k]
+        kern(as_aligned(xs[:t].clone()), w, idx, y)
+        ref = xs[:t].double() @ w.double()[idx.long()].T
+        assert float((y.double() - ref).abs().max() / ref.abs().max()) < TOL
+        for i in range(t):  # bit for bit what the token gets alone
+            assert torch.equal(y[i], alone[i])
+    empty = aligned_empty((3, 0))
+    kern(as_aligned(xs[:3].clone()), w, torch.zeros(0, dtype=torch.int32), empty)  # k = 0: nothing to do
+
+
+def test_gemv_spec_limits() -> None:
+    with pytest.raises(KernelSpecError, match="gemv"):
+        KernelSpec(kind="gemv", act="none", d_model=64, n_rows=8, weight_dtype="int8", has_bias=False, target="llvm")
+    with pytest.raises(KernelSpecError, match="gemv"):
+        KernelSpec(kind="gemv", act="relu", d_model=64, n_rows=8, weight_dtype="float16", has_bias=False, target="llvm")
