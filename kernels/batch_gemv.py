@@ -25,12 +25,14 @@ from tvm.script import tirx as T
 from .spec import KernelSpec
 
 LANES = 32  # float32 accumulators per token (one float16 cache line per chunk)
+COLS = 64  # the down kernel's y columns per register tile (4 float32 vectors per token)
 TILES = (4, 2, 1)  # tokens per pass over a row
 
 
 def supports(spec: KernelSpec) -> bool:
-    """Whether ``spec`` (kind ``gemv``) has this schedule: float weights, d_model a multiple of the lanes."""
-    return spec.weight_dtype in ("float32", "float16") and spec.d_model % LANES == 0
+    """Whether ``spec`` (kind ``gemv`` / ``gemv_down``) has these schedules: float weights, d_model a multiple of
+    the lanes (``gemv``) or of the 64-column tile (``gemv_down``)."""
+    return spec.weight_dtype in ("float32", "float16") and spec.d_model % (LANES if spec.kind == "gemv" else COLS) == 0
 
 
 def describe(spec: KernelSpec, parts: int) -> tvm.tirx.PrimFunc:
@@ -113,5 +115,71 @@ def describe(spec: KernelSpec, parts: int) -> tvm.tirx.PrimFunc:
                         for e in T.vectorized(2):
                             s2[0, e] = s4[0, e] + s4[0, e + 2]
                         y[t0, j] = s2[0, 0] + s2[0, 1]
+
+    return main
+
+
+GROUP = 8  # rows per prefetch group of the down kernel
+AHEAD = 8  # rows it prefetches ahead
+
+
+def describe_down(spec: KernelSpec, parts: int) -> tvm.tirx.PrimFunc:
+    """Kind ``down`` for several tokens, ``main(h, w_down_t, idx, y)``: ``y[t] = Σ_j h[t, j] · w_down_t[idx[j]]``
+    (``h`` ``[T, k]``, ``y`` ``[T, d_model]`` written). Threads split y's columns (``parts`` contiguous ranges of
+    64-column tiles); per column tile and tile of 4 (2, 1) tokens the 4 × 64 sums stay in registers while the
+    selected rows' 128-byte pieces stream past, each loaded and widened once for the tokens. The pieces are far
+    apart, so the rows ``AHEAD`` on are prefetched, ``GROUP`` at a time (a prefetch is a call to LLVM: between
+    two, the sums go to memory, so the calls are kept out of each row's step). Each y element adds its rows one
+    after the other in ascending ``j`` whatever T is, so rows whose ``h`` is 0 for a token add exact zeros to
+    its sums (``runtime/batch_ffn.py``)."""
+    d, n, wdt = spec.d_model, spec.n_rows, spec.weight_dtype
+    n_sub = d // COLS
+    parts = max(1, min(parts, n_sub))
+
+    @T.macro(hygienic=False)
+    def tile(TS):
+        for tt in T.unroll(TS):
+            for e in T.vectorized(COLS):
+                acc[tt, e] = T.float32(0)
+        for jg in range(k // GROUP):
+            for g in range(GROUP):
+                ahead = idx[T.min(jg * GROUP + g + AHEAD, k - 1)] * d + c0
+                T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(wf[ahead]), 0, 3, 1))
+                T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(wf[ahead + 32]), 0, 3, 1))
+            for g in T.unroll(GROUP):
+                for tt in T.unroll(TS):
+                    for e in T.vectorized(COLS):
+                        acc[tt, e] = acc[tt, e] + h[t0 + tt, jg * GROUP + g] * T.Cast("float32", w[idx[jg * GROUP + g], c0 + e])
+        for j in range(k - k // GROUP * GROUP):
+            for tt in T.unroll(TS):
+                for e in T.vectorized(COLS):
+                    acc[tt, e] = acc[tt, e] + h[t0 + tt, k // GROUP * GROUP + j] * T.Cast("float32", w[idx[k // GROUP * GROUP + j], c0 + e])
+        for tt in T.unroll(TS):
+            for e in T.vectorized(COLS):
+                y[t0 + tt, c0 + e] = acc[tt, e]
+
+    @T.prim_func
+    def main(h_h: T.handle, w: T.Buffer((n, d), wdt), idx_h: T.handle, y_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        t = T.int32()
+        k = T.int32()
+        h = T.match_buffer(h_h, (t, k), "float32")
+        idx = T.match_buffer(idx_h, (k,), "int32")
+        y = T.match_buffer(y_h, (t, d), "float32")
+        wf = T.decl_buffer((n * d,), wdt, data=w.data)
+        for p in T.parallel(parts):
+            acc = T.alloc_buffer((4, COLS), "float32")
+            for sc in range((p + 1) * n_sub // parts - p * n_sub // parts):
+                c0 = (p * n_sub // parts + sc) * COLS
+                for q in range(t // 4 + (t % 4) // 2 + t % 2):
+                    n4 = t // 4
+                    t0 = T.if_then_else(q < n4, q * 4, T.if_then_else(q == n4 and t % 4 >= 2, n4 * 4, t - 1))
+                    ts = T.if_then_else(q < n4, 4, T.if_then_else(q == n4 and t % 4 >= 2, 2, 1))
+                    if ts == 4:
+                        tile(4)
+                    elif ts == 2:
+                        tile(2)
+                    else:
+                        tile(1)
 
     return main

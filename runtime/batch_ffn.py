@@ -92,6 +92,7 @@ def batched_part(
     """One FFN partition for B tokens over the union of their masks, each token masked by its own (module
     docstring) → B outputs [..., d_model] (without b_down: the merge adds it), stacked when ``xs`` is."""
     from picompile.kernels import aligned_empty, as_aligned
+    from picompile.runtime.batch_predict import multi_gemv_kernel
 
     if not kernel or w_up is None or w_up.shape[0] == 0:  # a part with no rows (all on the other device)
         return torch.zeros_like(xs) if isinstance(xs, Tensor) else [torch.zeros_like(x) for x in xs]
@@ -122,7 +123,10 @@ def batched_part(
         idx = idx[live]
         h = as_aligned(h[:, live].contiguous())
     y = aligned_empty((b, d))  # [B, d_model]
-    if s_down is None:
+    multi = multi_gemv_kernel(w_down_t.shape[0], d, w_down_t.dtype, "gemv_down") if s_down is None else None
+    if multi is not None:  # each row read once for all B tokens (kernels/batch_gemv.py)
+        multi.unchecked(h, w_down_t, idx, y)
+    elif s_down is None:
         down.unchecked(h, w_down_t, idx, y)
     else:
         down.unchecked(h, w_down_t, s_down, idx, y)

@@ -41,22 +41,23 @@ def gemv_kernel(n_rows: int, d: int, dtype: torch.dtype, act: str) -> Any:
     return _GEMV[key]
 
 
-_MULTI: dict[tuple[int, int, str], Any] = {}  # (n_rows, d, dtype) -> the gemv kernel, or None (none for it)
+_MULTI: dict[tuple[int, int, str, str], Any] = {}  # (n_rows, d, dtype, kind) -> the kernel, or None (none for it)
 
 
-def multi_gemv_kernel(n_rows: int, d: int, dtype: torch.dtype) -> Any:
+def multi_gemv_kernel(n_rows: int, d: int, dtype: torch.dtype, kind: str = "gemv") -> Any:
     """The CPU ``gemv`` kernel (``kernels/batch_gemv.py``: several tokens, each row read once for all) over a
     [n_rows, d] weight of ``dtype``, compiled or taken from the kernel cache on first use; None where it has no
-    schedule (quantized weights, d not a multiple of its lanes) or cannot be built here (no TVM compiler)."""
+    schedule (quantized weights, d not a multiple of its lanes) or cannot be built here (no TVM compiler).
+    ``kind="gemv_down"``: the several-token down kernel over a [n_rows, d] ``w_down_t`` instead."""
     name = _DTYPES.get(dtype)
     if name is None:
         return None
-    key = (n_rows, d, name)
+    key = (n_rows, d, name, kind)
     if key not in _MULTI:
         from picompile.config import kernel_cache_dir
         from picompile.kernels import KernelSpec, build_kernel, load_kernel
 
-        spec = KernelSpec(kind="gemv", act="none", d_model=d, n_rows=n_rows, weight_dtype=name,  # type: ignore[arg-type]
+        spec = KernelSpec(kind=kind, act="none", d_model=d, n_rows=n_rows, weight_dtype=name,  # type: ignore[arg-type]
                           has_bias=False, target="llvm")
         try:
             _MULTI[key] = load_kernel(build_kernel(spec, kernel_cache_dir()), spec)

@@ -43,3 +43,31 @@ def test_gemv_spec_limits() -> None:
         KernelSpec(kind="gemv", act="none", d_model=64, n_rows=8, weight_dtype="int8", has_bias=False, target="llvm")
     with pytest.raises(KernelSpecError, match="gemv"):
         KernelSpec(kind="gemv", act="relu", d_model=64, n_rows=8, weight_dtype="float16", has_bias=False, target="llvm")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_gemv_down_matches_reference_and_is_batch_invariant(tmp_path: Path, dtype: str) -> None:
+    rows, d = 40, 128
+    spec = KernelSpec(kind="gemv_down", act="none", d_model=d, n_rows=rows, weight_dtype=dtype, has_bias=False,  # type: ignore[arg-type]
+                      target="llvm")
+    kern = load_kernel(build_kernel(spec, tmp_path), spec)
+    g = torch.Generator().manual_seed(1)
+    w = as_aligned(torch.randn(rows, d, generator=g).to(getattr(torch, dtype)))  # [n_rows, d_model] (w_down_t)
+    idx = torch.tensor([1, 2, 5, 8, 9, 10, 11, 12, 13, 20, 21, 30, 39], dtype=torch.int32)  # 13: a group and a rest
+    hs = torch.randn(9, idx.numel(), generator=g)  # [9, k]
+    hs[0, 3] = 0.0
+    alone = []
+    for i in range(hs.shape[0]):
+        y1 = aligned_empty((1, d))
+        kern(as_aligned(hs[i:i + 1].clone()), w, idx, y1)
+        alone.append(y1[0])
+    for t in (1, 2, 3, 4, 5, 8, 9):
+        y = aligned_empty((t, d))  # [t, d_model]
+        kern(as_aligned(hs[:t].clone()), w, idx, y)
+        ref = hs[:t].double() @ w.double()[idx.long()]
+        assert float((y.double() - ref).abs().max() / ref.abs().max()) < TOL
+        for i in range(t):
+            assert torch.equal(y[i], alone[i])
+    y = aligned_empty((2, d)).fill_(7.0)
+    kern(aligned_empty((2, 0)), w, torch.zeros(0, dtype=torch.int32), y)  # k = 0: y = 0
+    assert bool((y == 0).all())
