@@ -1,30 +1,31 @@
-"""Several sequences' decode steps as one graph call: decode graph (one token of one sequence) → B copies of its
-per-token work sharing one call of every weight-streaming kernel.
+"""Several sequences' decode steps as one graph call: decode graph (one token of one sequence) → one graph for B
+sequences, their per-token work stacked where it can be and every weight-streaming kernel called once.
 
-graph: forward(ids [1, 1], *past) with kv_arena buffers → forward(ids_0, *past_0, *arena_0, …, ids_B-1, …):
-  - every node runs once per sequence on that sequence's tensors (embedding, norms, rotary at its own position,
-    attention over its own KV arena), except
-  - each ``tvm_linear`` (q/k/v, o, lm_head), which runs once on the B tokens stacked, through the TVM kernel's
-    ``<key>_batch`` form (``x`` ``[B, d_in]``: each weight row read once for all B; int8 / int4 too);
+graph: forward(ids [1, 1], *past) with kv_arena buffers → forward(ids_0, *past_0, *arena_0, …, ids_B-1, …) →
+(logits [B, 1, vocab],):
+  - the aten glue (embedding, norms, head views, rotary, residual adds) runs once on the B tokens stacked along
+    dim 0 (``runtime/batch_glue.py``: the ops that are pointwise along it); only attention over each sequence's
+    own KV arena, the arena writes, the causal mask and the positions run once per sequence (``Lanes``);
+  - each ``tvm_linear`` (q/k/v, o, lm_head) runs once on the B tokens: float weights by the ``gemv`` kernel
+    (``kernels/batch_gemv.py``: each row loaded and widened once per tile of 4 tokens), int8 / int4 by the
+    linear kernel's ``<key>_batch`` form;
   - each sparse FFN partition (a ``HybridFFN`` layer's hot and cold parts run inline, or a quantized
-    ``tvm_sparse_ffn``), which runs once on the **union** of the B tokens' predicted neurons, each token masked
-    by its own mask (``runtime/batch_ffn.py``: split up / down kernels, two calls per partition);
-  - each ``tvm_predict``, which runs as two batched GEMVs (``runtime/batch_predict.py``).
+    ``tvm_sparse_ffn``) runs once on the **union** of the B tokens' predicted neurons, each token masked by its own
+    mask (``runtime/batch_ffn.py``: float weights by ``gemv`` for gate / up and ``gemv_down``, each selected row
+    read once for the batch; int8 / int4 by the split ``up*`` / ``down`` kernels' batched forms);
+  - each ``tvm_predict`` runs as two batched GEMVs (``runtime/batch_predict.py``).
 A sequence's result never depends on the others: the per-sequence nodes compute what they compute alone, the
-batched kernels compute each (row, token) dot product by itself in the same order whatever B is, and the union
-FFN's extra rows add exact zeros to a token's sums, in ascending row order (``tests/test_serve_batch.py`` checks
-bit for bit and greedy outputs token for token). So that a request alone and a request in a batch give the same
-floats, the server runs every decode step through this form, B = 1 included; its sums run in another order
-than ``Session.generate``'s one-token kernels (fused FFN, fused predictor, GEMV), so its text can differ from
-``run``'s where two logits are near-tied or a predictor score sits at its threshold.
+stacked glue computes each row as alone, the batched kernels form each (row, token) sum the same way whatever B
+is, and the union FFN's extra rows add exact zeros to a token's sums, in ascending row order
+(``tests/test_serve_batch.py`` checks bit for bit and greedy outputs token for token). So that a request alone and
+a request in a batch give the same floats, the server runs every decode step through this form, B = 1 included;
+its sums run in another order than ``Session.generate``'s one-token kernels (fused FFN, fused predictor, GEMV),
+so its text can differ from ``run``'s where two logits are near-tied or a predictor score sits at its threshold.
 
-The FFN and predictor forms are opt-in (``union_ffn=True``, ``serve --batch-ffn union``); the default runs them
-per sequence with the one-token fused kernels, each with its own mask, which is also exact as alone. On this
-project's 2-core Zen 4 the split kernels' batched forms are compute-bound: per 1B f16 layer at B = 4 (12 % of
-the neurons per token, 23 % in the union) the union path took 2.45 ms against 1.25 ms for four fused one-token
-calls, and 0.73 against 0.42 ms at B = 1 (``benchmarks/README.md``, serving), so it pays only with batched
-kernels that stream rows at the one-token kernels' rate. A node whose batched kernels cannot be had (no TVM
-compiler to build the split kernels, a part on the GPU) runs per sequence in either mode.
+``union_ffn=False`` (``serve --batch-ffn per-request``) runs the FFN and predictors per sequence with the
+one-token fused kernels instead, each with its own mask (also exact as alone; B times the FFN's bytes). A node
+whose batched kernels cannot be had (no TVM compiler to build them, a part on the GPU) runs per sequence in
+either mode.
 
 ``BatchRunner`` holds the KV cache of each slot (one arena per past input, ``max_seq_len`` positions), prefills a
 slot (or a chunk of its prompt) with the session's prefill graph on that slot's arenas, and decodes any set of
@@ -258,7 +259,7 @@ def _predict_ok(node: fx.Node) -> bool:
     return True
 
 
-def batch_graph(gm: fx.GraphModule, n_past: int, batch: int, union_ffn: bool = False) -> tuple[fx.GraphModule, int]:
+def batch_graph(gm: fx.GraphModule, n_past: int, batch: int, union_ffn: bool = True) -> tuple[fx.GraphModule, int]:
     """The B-sequence form of the arena decode graph ``gm`` (see the module docstring). Its inputs, per sequence
     in order: ids [1, 1], n_past past views (read only for their length), n_past arenas; it returns the B logits
     stacked, [B, 1, vocab]. Also returns how many linear calls are shared."""
@@ -344,7 +345,7 @@ class BatchRunner:
     slot's arenas after its first ``start`` positions; ``decode([(slot, token, position), …])`` runs one token of
     each listed slot in one call of the B-sequence graph and returns their logits [B, vocab]."""
 
-    def __init__(self, session: Any, slots: int, union_ffn: bool = False) -> None:
+    def __init__(self, session: Any, slots: int, union_ffn: bool = True) -> None:
         if session.kv is None:
             raise RuntimeError(f"batched decoding needs the in-place KV cache ({session.kv_reason})")
         if session.compiled:
