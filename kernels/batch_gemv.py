@@ -10,8 +10,10 @@ for every token but is widened and multiplied again, so T tokens cost T times on
 cores the batched linear layers ran at a third of memory speed at T = 4 (``benchmarks/README.md``, serving).
 Here the tokens are taken in tiles of 4 (then 2, then 1 for the rest): per 32-element chunk of a row, the chunk is
 loaded and widened once and multiplied into the tile's 4 × 32 float32 accumulators. Threads (``parts`` = the
-build's cores) split the selected rows into contiguous ranges; the rows of a linear layer are then consecutive
-in memory and the hardware prefetchers stream them.
+build's cores) split the selected rows into contiguous ranges; before a row's pass, every cache line of the next
+selected row is prefetched into L2 when it does not follow this one (the union FFN's rows are far apart; a linear
+layer's consecutive rows are left to the hardware prefetchers), the calls kept out of the accumulation loop, where
+LLVM would spill the sums around them.
 
 Every (row, token) sum is formed the same way in every tile — 32 lanes accumulated in chunk order, then a fixed
 halving tree 32 → 16 → … → 1 — so a token's ``y`` does not depend on T or on its place in the batch (what the
@@ -40,6 +42,8 @@ def describe(spec: KernelSpec, parts: int) -> tvm.tirx.PrimFunc:
     d, n, wdt = spec.d_model, spec.n_rows, spec.weight_dtype
     L = LANES
     C = d // L  # chunks per row
+    per_line = 64 // (2 if wdt == "float16" else 4)  # elements per cache line
+    LINES = d // per_line
     parts = max(1, parts)
 
     @T.prim_func
@@ -50,6 +54,7 @@ def describe(spec: KernelSpec, parts: int) -> tvm.tirx.PrimFunc:
         x = T.match_buffer(x_h, (t, d), "float32")
         idx = T.match_buffer(idx_h, (k,), "int32")
         y = T.match_buffer(y_h, (t, k), "float32")
+        wf = T.decl_buffer((n * d,), wdt, data=w.data)
         for p in T.parallel(parts):
             acc = T.alloc_buffer((4, L), "float32")
             s16 = T.alloc_buffer((4, 16), "float32")
@@ -59,6 +64,11 @@ def describe(spec: KernelSpec, parts: int) -> tvm.tirx.PrimFunc:
             for jj in range((p + 1) * k // parts - p * k // parts):
                 j = p * k // parts + jj
                 r = idx[j]
+                nxt = idx[T.min(j + 1, k - 1)]  # the next selected row, prefetched whole unless it follows this one
+                if nxt != r + 1:
+                    for line in range(LINES):
+                        T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0",
+                                                      T.address_of(wf[nxt * d + line * per_line]), 0, 2, 1))
                 for q in range(t // 4 + (t % 4) // 2 + t % 2):
                     # tile q: 4 tokens from 4q while q < t // 4, then one of 2, then one of 1
                     n4 = t // 4
