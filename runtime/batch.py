@@ -146,6 +146,10 @@ class Lanes:
             self._cat[a] = self.new.call_function(torch.cat, ([self.seqs[a][b] for b in range(self.batch)], 0))
         return self._cat[a]
 
+    def forget_stack(self, a: fx.Node) -> None:
+        """Drop the stacked copy of the per-sequence ``a`` (a node wrote to it: a later use stacks it anew)."""
+        self._cat.pop(a, None)
+
     def common(self, a: fx.Node) -> fx.Node | None:
         """The one value of ``a`` every sequence has (shared, or a per-sequence int / SymInt that names no varying
         symbol: the token count), or None."""
@@ -155,6 +159,12 @@ class Lanes:
         if self.lane[a] == "perseq" and isinstance(val, (int, torch.SymInt)) and not varies(val, self.syms):
             return self.seqs[a][0]
         return None
+
+
+def _mutates(node: fx.Node) -> bool:
+    """Whether an aten node writes to one of its arguments (``copy_``, ``add_``, …)."""
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
 def _node_arg(lanes: Lanes, value: Any, stacked: bool) -> Any:
@@ -329,6 +339,9 @@ def batch_graph(gm: fx.GraphModule, n_past: int, batch: int, union_ffn: bool = T
                 n_batched += 1
                 continue
         lanes.set(node, "perseq", [new.node_copy(node, lambda a, b=b: lanes.seq(a, b)) for b in range(batch)])
+        if _mutates(node):  # a stacked copy of what it writes would be stale from here on
+            for a in inputs:
+                lanes.forget_stack(a)
         n_perseq += 1
     module = fx.GraphModule(gm, new)
     module.graph.lint()
