@@ -22,8 +22,11 @@ a request in a batch give the same floats, the server runs every decode step thr
 its sums run in another order than ``Session.generate``'s one-token kernels (fused FFN, fused predictor, GEMV),
 so its text can differ from ``run``'s where two logits are near-tied or a predictor score sits at its threshold.
 
-``union_ffn=False`` (``serve --batch-ffn per-request``) runs the FFN and predictors per sequence with the
-one-token fused kernels instead, each with its own mask (also exact as alone; B times the FFN's bytes). A node
+``union_ffn=None`` (``serve --batch-ffn auto``, the default) takes the union FFN where its weights are float and
+runs int8 / int4 FFNs per sequence (their split kernels' batched forms are compute-bound, see
+``benchmarks/README.md``); ``union_ffn=True`` (``--batch-ffn union``) takes it for every dtype, ``False``
+(``--batch-ffn per-request``) runs the FFN and predictors per sequence with the one-token fused kernels instead,
+each with its own mask (also exact as alone; B times the FFN's bytes). A node
 whose batched kernels cannot be had (no TVM compiler to build them, a part on the GPU) runs per sequence in
 either mode.
 
@@ -186,9 +189,17 @@ def batched_linear_stacked(x: Tensor, w: Tensor, b: Tensor | None, kernel: str, 
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
-def _ffn_call(node: fx.Node, lanes: Lanes) -> tuple[Callable[..., Any], tuple[Any, ...]] | None:
+def _quantized_kernel(key: str) -> bool:
+    from picompile.kernels.table import find_kernel
+
+    return bool(key) and bool(getattr(getattr(find_kernel(key), "spec", None), "quantized", False))
+
+
+def _ffn_call(node: fx.Node, lanes: Lanes, float_only: bool = False) -> tuple[Callable[..., Any], tuple[Any, ...]] | None:
     """The union-masked call of a sparse FFN node or predictor for the B tokens (``runtime/batch_ffn.py``,
-    ``batch_predict.py``), its x and masks stacked where they stack (else lists), or None (per sequence)."""
+    ``batch_predict.py``), its x and masks stacked where they stack (else lists), or None (per sequence).
+    ``float_only``: an FFN with int8 / int4 weights (no ``gemv`` kernels: the split kernels' batched forms,
+    compute-bound) stays per sequence."""
     if node.op != "call_function":
         return None
 
@@ -203,7 +214,7 @@ def _ffn_call(node: fx.Node, lanes: Lanes) -> tuple[Callable[..., Any], tuple[An
 
     if isinstance(node.target, HybridFFN):
         keys = (_part_kernel(node.target.hot), _part_kernel(node.target.cold))
-        if None in keys:
+        if None in keys or (float_only and any(_quantized_kernel(k) for k in keys if k)):
             return None
         a = hybrid_args(node)
         weights = {n: w(a[n]) for n in a if n not in ("x", *HYBRID_MASKS)}
@@ -221,6 +232,8 @@ def _ffn_call(node: fx.Node, lanes: Lanes) -> tuple[Callable[..., Any], tuple[An
         return None
     a = args_of(node)
     if isinstance(a.get("x"), (list, tuple)) or not (a.get("kernel") == "" or _splittable(a.get("kernel"))):
+        return None
+    if float_only and a.get("s_up") is not None:
         return None
     ws = {n: w(a.get(n)) for n in (*PART_WEIGHTS, "s_up", "s_gate", "s_down")}
     return batched_part, (xs_of(a["x"]), ws["w_up"], ws["b_up"], ws["w_gate"], ws["w_down_t"], xs_of(a.get("mask")),
@@ -269,10 +282,13 @@ def _predict_ok(node: fx.Node) -> bool:
     return True
 
 
-def batch_graph(gm: fx.GraphModule, n_past: int, batch: int, union_ffn: bool = True) -> tuple[fx.GraphModule, int]:
+def batch_graph(gm: fx.GraphModule, n_past: int, batch: int,
+                union_ffn: bool | None = None) -> tuple[fx.GraphModule, int]:
     """The B-sequence form of the arena decode graph ``gm`` (see the module docstring). Its inputs, per sequence
     in order: ids [1, 1], n_past past views (read only for their length), n_past arenas; it returns the B logits
-    stacked, [B, 1, vocab]. Also returns how many linear calls are shared."""
+    stacked, [B, 1, vocab]. Also returns how many linear calls are shared. ``union_ffn``: True / False, or None
+    (auto) for the union FFN where its weights are float (the ``gemv`` kernels) and per sequence where they are
+    int8 / int4; the predictors are batched in both True and None."""
     src = gm.graph
     new = fx.Graph()
     placeholders = [n for n in src.nodes if n.op == "placeholder"]
@@ -321,7 +337,7 @@ def batch_graph(gm: fx.GraphModule, n_past: int, batch: int, union_ffn: bool = T
                 lanes.set(node, "perseq", [new.call_function(operator.getitem, (call, b)) for b in range(batch)])
             n_shared += 1
             continue
-        ffn = _ffn_call(node, lanes) if union_ffn else None  # the FFN parts and predictors
+        ffn = _ffn_call(node, lanes, union_ffn is None) if union_ffn is not False else None  # FFN parts, predictors
         if ffn is not None:
             call = new.call_function(*ffn)
             if isinstance(ffn[1][0], fx.Node):  # x stacked: the result is stacked
@@ -358,7 +374,7 @@ class BatchRunner:
     slot's arenas after its first ``start`` positions; ``decode([(slot, token, position), …])`` runs one token of
     each listed slot in one call of the B-sequence graph and returns their logits [B, vocab]."""
 
-    def __init__(self, session: Any, slots: int, union_ffn: bool = True) -> None:
+    def __init__(self, session: Any, slots: int, union_ffn: bool | None = None) -> None:
         if session.kv is None:
             raise RuntimeError(f"batched decoding needs the in-place KV cache ({session.kv_reason})")
         if session.compiled:
@@ -369,7 +385,7 @@ class BatchRunner:
         self.slots: list[list[Tensor]] = [[torch.zeros(s, dtype=d) for s, d in shapes] for _ in range(slots)]
         self._graphs: dict[int, tuple[fx.GraphModule, Callable[..., Any]]] = {}
         self.shared_linears = 0
-        self.union_ffn = union_ffn  # the FFN on the union of the batch's neurons and batched predictors (module doc)
+        self.union_ffn = union_ffn  # the FFN on the union of the batch's neurons (None: float weights), batch_graph
 
     @property
     def max_seq_len(self) -> int:
