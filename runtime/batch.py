@@ -75,7 +75,11 @@ def _linear_rows(x: Tensor, w: Tensor, b: Tensor | None, kern: Any, s: Tensor | 
 
     y = aligned_empty((x.shape[0], w.shape[0]))  # [B, d_out]
     multi = multi_gemv_kernel(w.shape[0], w.shape[1], w.dtype) if s is None else None
-    if multi is not None:
+    if multi is not None and x.shape[0] == 1 and w.dtype == torch.float16:
+        # one token: the linear's own one-token kernel, which forms every sum as ``gemv`` does for float16 (32
+        # lanes, the same halving tree: equal bit for bit, tests/test_batch_gemv.py) and is what ``run`` decodes with
+        kern.unchecked(x.reshape(-1), w, None, None, _rows(w.shape[0]), y.reshape(-1))  # type: ignore[attr-defined]
+    elif multi is not None:
         multi.unchecked(x, w, _rows(w.shape[0]), y)
     elif s is None:
         kern.unchecked(x, w, None, None, _rows(w.shape[0]), y)  # type: ignore[attr-defined]

@@ -71,3 +71,22 @@ def test_gemv_down_matches_reference_and_is_batch_invariant(tmp_path: Path, dtyp
     y = aligned_empty((2, d)).fill_(7.0)
     kern(aligned_empty((2, 0)), w, torch.zeros(0, dtype=torch.int32), y)  # k = 0: y = 0
     assert bool((y == 0).all())
+
+
+@pytest.mark.parametrize("rows,d", [(40, 2048), (24, 192)])
+def test_gemv_one_token_equals_the_float16_gemv_kernel(tmp_path: Path, rows: int, d: int) -> None:
+    """The server's batched linear takes the one-token ``up`` kernel for a lone float16 token
+    (``runtime/batch.py``, ``_linear_rows``): it must give what ``gemv`` gives that token in a batch, bit for bit."""
+    up = KernelSpec(kind="up", act="none", d_model=d, n_rows=rows, weight_dtype="float16", has_bias=False, target="llvm")
+    gv = KernelSpec(kind="gemv", act="none", d_model=d, n_rows=rows, weight_dtype="float16", has_bias=False, target="llvm")
+    k_up, k_gv = (load_kernel(build_kernel(s, tmp_path), s) for s in (up, gv))
+    g = torch.Generator().manual_seed(2)
+    w = as_aligned(torch.randn(rows, d, generator=g).half())
+    xs = torch.randn(5, d, generator=g)
+    idx = torch.arange(rows, dtype=torch.int32)
+    batch = aligned_empty((5, rows))
+    k_gv(as_aligned(xs.clone()), w, idx, batch)
+    for i in range(5):
+        y = aligned_empty((rows,))
+        k_up(as_aligned(xs[i].clone()), w, None, None, idx, y)
+        assert torch.equal(y, batch[i])
