@@ -7,8 +7,9 @@ graph: forward(ids [1, 1], *past) with kv_arena buffers → forward(ids_0, *past
     dim 0 (``runtime/batch_glue.py``: the ops that are pointwise along it); only attention over each sequence's
     own KV arena, the arena writes, the causal mask and the positions run once per sequence (``Lanes``);
   - each ``tvm_linear`` (q/k/v, o, lm_head) runs once on the B tokens: float weights by the ``gemv`` kernel
-    (``kernels/batch_gemv.py``: each row loaded and widened once per tile of 4 tokens), int8 / int4 by the
-    linear kernel's ``<key>_batch`` form;
+    (``kernels/batch_gemv.py``: each row loaded and widened once per tile of 4 tokens; a lone float16 token by
+    the linear's one-token kernel, whose sums are gemv's bit for bit), int8 / int4 by the linear kernel's
+    ``<key>_batch`` form;
   - each sparse FFN partition (a ``HybridFFN`` layer's hot and cold parts run inline, or a quantized
     ``tvm_sparse_ffn``) runs once on the **union** of the B tokens' predicted neurons, each token masked by its own
     mask (``runtime/batch_ffn.py``: float weights by ``gemv`` for gate / up and ``gemv_down``, each selected row
