@@ -8,7 +8,10 @@ One FFN partition (hot or cold rows), B tokens, each with its own predicted mask
     h[t, j] = 0 where token t's mask does not select idx[j]                   # each token's own mask
     y_t  = Σ_j h[t, j] · w_down_t[idx[j]]   over the j where some h[:, j] ≠ 0  # [B, d]  (``<down>_batch``)
 
-Two kernel calls per partition, each weight row read once for all B tokens. The fused ``ffn_*`` kernel (one
+Each weight row read once for all B tokens. For float weights the dot products are ``gemv`` calls and the down
+sums ``gemv_down`` (``kernels/batch_gemv.py``); a ReLU / dReLU gate is computed first and the up and down rows are
+read only where some token that selects the row has a positive gate (``_gated_relu_rows``: the one-token kernel's
+``skip_inactive``, for the batch). int8 / int4: the split ``up*`` / ``down`` kernels, two calls. The fused ``ffn_*`` kernel (one
 call) cannot be used: it has no per-token mask, and it cuts the rows into ``cores`` contiguous parts whose
 partial sums it adds last, so where a row falls — and so the rounding — would depend on the union. The split
 kinds keep every output element's sum independent of the union: ``up*`` computes each (row, token) dot product by
@@ -109,19 +112,24 @@ def batched_part(
     else:
         sel = torch.cat([m.reshape(1, n_rows) for m in masks])  # type: ignore[union-attr]  # [B, n_rows]
     idx = sel.any(0).nonzero().squeeze(1).to(torch.int32)  # [k_union]
-    h = _up_by_gemv(x, w_up, b_up, w_gate, idx, up.spec) if s_up is None else None  # [B, k_union]
-    if h is None:
-        h = aligned_empty((b, idx.numel()))  # [B, k_union]
-        if s_up is None:
-            up.unchecked(x, w_up, w_gate, b_up, idx, h)
-        else:
-            up.unchecked(x, w_up, s_up, w_gate, s_gate, b_up, idx, h)
-    if b > 1:
-        h.masked_fill_(~sel.index_select(1, idx), 0.0)  # each token's own neurons only
-    live = h.ne(0).any(0)  # [k_union]: rows some token needs
-    if not bool(live.all()):
-        idx = idx[live]
-        h = as_aligned(h[:, live].contiguous())
+    gated = _gated_relu_rows(x, w_up, b_up, w_gate, idx, sel, up.spec) if s_up is None else None
+    if gated is not None:  # only the rows whose gate fired for a token that selects them, h masked already
+        idx, h = gated
+    else:
+        maybe = _up_by_gemv(x, w_up, b_up, w_gate, idx, up.spec) if s_up is None else None  # [B, k_union]
+        if maybe is None:
+            maybe = aligned_empty((b, idx.numel()))  # [B, k_union]
+            if s_up is None:
+                up.unchecked(x, w_up, w_gate, b_up, idx, maybe)
+            else:
+                up.unchecked(x, w_up, s_up, w_gate, s_gate, b_up, idx, maybe)
+        h = maybe
+        if b > 1:
+            h.masked_fill_(~sel.index_select(1, idx), 0.0)  # each token's own neurons only
+        live = h.ne(0).any(0)  # [k_union]: rows some token needs
+        if not bool(live.all()):
+            idx = idx[live]
+            h = as_aligned(h[:, live].contiguous())
     y = aligned_empty((b, d))  # [B, d_model]
     multi = multi_gemv_kernel(w_down_t.shape[0], d, w_down_t.dtype, "gemv_down") if s_down is None else None
     if multi is not None:  # each row read once for all B tokens (kernels/batch_gemv.py)
@@ -131,6 +139,41 @@ def batched_part(
     else:
         down.unchecked(h, w_down_t, s_down, idx, y)
     return _unstack(y, xs)
+
+
+def _gated_relu_rows(x: Tensor, w_up: Tensor, b_up: Optional[Tensor], w_gate: Optional[Tensor], idx: Tensor,
+                     sel: Tensor, spec: Any) -> Optional[tuple[Tensor, Tensor]]:
+    """A ReLU / dReLU gated part of float weights as the one-token kernel's ``skip_inactive`` does it: the gate
+    rows of the union first (``gemv``), then up rows only where some token that selects the row has a positive
+    gate → (rows [k_live] int32, h [B, k_live] with each token's own mask applied). The rows left out have
+    ``h = 0`` for every token, so the down sums are those of the full union (exact zeros left out, same order).
+    None where this does not apply (another activation, a gate bias, quantized weights, no ``gemv`` kernel)."""
+    from picompile.kernels import aligned_empty, as_aligned
+    from picompile.runtime.batch_predict import multi_gemv_kernel
+
+    if not spec.gated or spec.gate_bias or spec.act not in ("relu", "drelu") or w_gate is None:
+        return None
+    kern = multi_gemv_kernel(w_up.shape[0], w_up.shape[1], w_up.dtype)
+    if kern is None:
+        return None
+    b, k = x.shape[0], idx.numel()
+    g = aligned_empty((b, k))  # [B, k]: gate rows · x
+    kern.unchecked(x, w_gate, idx, g)
+    keep = g > 0  # [B, k]
+    if b > 1:
+        keep &= sel.index_select(1, idx)  # each token's own neurons only
+    live = keep.any(0)  # [k]
+    rows = idx[live].contiguous()  # [k_live]
+    u = aligned_empty((b, rows.numel()))  # [B, k_live]: up rows · x
+    kern.unchecked(x, w_up, rows, u)
+    if b_up is not None:
+        u += b_up.index_select(0, rows).float()
+    if spec.act == "drelu":
+        u.relu_()
+    h = g[:, live].relu_().mul_(u)  # [B, k_live]: act(gate) * up, as _up_by_gemv
+    if b > 1:
+        h.masked_fill_(~keep[:, live], 0.0)
+    return rows, as_aligned(h.contiguous())
 
 
 def _up_by_gemv(x: Tensor, w_up: Tensor, b_up: Optional[Tensor], w_gate: Optional[Tensor], idx: Tensor,
