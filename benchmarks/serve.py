@@ -1,7 +1,7 @@
 """Load benchmark of ``picompile serve``: 1, 4 and 16 concurrent clients against one server on 127.0.0.1.
 
     python benchmarks/serve.py ART [--clients 1,4,16] [--requests 2] [--max-tokens 32] [--prompt-len 16]
-                               [--batch-ffn per-request|union] [--time-limit S] [--json]
+                               [--batch-ffn auto|per-request|union] [--time-limit S] [--json]
 
 Starts ``picompile serve ART --port 0 --max-batch <most clients>`` (127.0.0.1 only), then per concurrency level
 runs that many clients, each sending ``--requests`` streaming completions one after the other (prompts: seeded
@@ -28,7 +28,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def start_server(art: str, max_batch: int, batch_ffn: str = "per-request") -> tuple[subprocess.Popen[str], str]:
+def start_server(art: str, max_batch: int, batch_ffn: str = "auto") -> tuple[subprocess.Popen[str], str]:
     cmd = [sys.executable, "-m", "picompile", "serve", art, "--host", "127.0.0.1", "--port", "0",
            "--model-name", "bench", "--max-batch", str(max_batch), "--max-queue", str(4 * max_batch),
            "--batch-ffn", batch_ffn]
@@ -117,8 +117,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--time-limit", type=float, default=900.0, help="seconds for the whole run at most")
-    ap.add_argument("--batch-ffn", choices=("per-request", "union"), default="per-request",
-                    help="the server's --batch-ffn (default per-request)")
+    ap.add_argument("--batch-ffn", choices=("auto", "per-request", "union"), default="auto",
+                    help="the server's --batch-ffn (default auto, as the server's)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     levels = [int(c) for c in args.clients.split(",")]

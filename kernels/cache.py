@@ -25,7 +25,8 @@ from .spec import KERNEL_ABI_VERSION, KernelSpec
 
 _build_count: int = 0  # compilations done by this process (tests check cache hits with it)
 # the modules whose code decides a compiled kernel's instructions (kernels/*.py that import TVM)
-CODEGEN_MODULES: tuple[str, ...] = ("compute.py", "cpu.py", "cpu_rewrite.py", "cpu_qdot.py", "cuda.py", "input_sparse.py")
+CODEGEN_MODULES: tuple[str, ...] = ("compute.py", "cpu.py", "cpu_rewrite.py", "cpu_qdot.py", "cuda.py", "input_sparse.py",
+                                     "batch_gemv.py")
 
 
 def codegen_fingerprint() -> str:
@@ -154,6 +155,17 @@ def _compile_cpu(spec: KernelSpec, out: Path, mcpu: str | None = None, integer_d
         lib = tvm.compile(mod, target=cpu.host_target(mcpu))
         lib.export_library(str(out))
         return {"batched": False, "arg_names": ["x", "mask", "w_t", "y"], "functions": [key]}
+    if spec.kind in ("gemv", "gemv_down"):  # several tokens, one form (kernels/batch_gemv.py), under both names
+        from . import batch_gemv
+
+        if not batch_gemv.supports(spec):
+            raise ValueError(f"kind {spec.kind!r} needs float weights and d_model a multiple of 32 (gemv_down: 64)")
+        make = batch_gemv.describe if spec.kind == "gemv" else batch_gemv.describe_down
+        funcs = {name: make(spec, cpu.build_cores()).with_attr("global_symbol", name) for name in (key, key + "_batch")}
+        lib = tvm.compile(tvm.IRModule(funcs), target=cpu.host_target(mcpu))
+        lib.export_library(str(out))
+        args = ["x", "w_up", "idx", "h"] if spec.kind == "gemv" else ["h", "w_down_t", "idx", "y"]
+        return {"batched": True, "arg_names": args, "functions": sorted(funcs)}
     batched_too = spec.kind != "predict"  # several tokens take the torch reference (ops.predict)
     funcs = {}
     for batched in (False, True) if batched_too else (False,):

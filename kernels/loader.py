@@ -269,6 +269,12 @@ def _signature(spec: KernelSpec, batched: bool) -> list[_Arg]:
     if spec.kind == "input_sparse":  # one token only (kernels/input_sparse.py)
         return [_Arg("x", torch.float32, (n,)), _Arg("mask", torch.int8, (n,)), _Arg("w_t", w, (n, d)),
                 _Arg("y", torch.float32, (d,))]
+    if spec.kind == "gemv":  # several tokens in both forms (kernels/batch_gemv.py)
+        return [_Arg("x", torch.float32, ("t", d)), _Arg("w_up", w, (n, d)), _Arg("idx", torch.int32, ("k",)),
+                _Arg("h", torch.float32, ("t", "k"))]
+    if spec.kind == "gemv_down":
+        return [_Arg("h", torch.float32, ("t", "k")), _Arg("w_down_t", w, (n, d)), _Arg("idx", torch.int32, ("k",)),
+                _Arg("y", torch.float32, ("t", d))]
     tok: tuple[str, ...] = ("t",) if batched else ()
     args: list[_Arg] = []
     if spec.has_up:
@@ -324,6 +330,8 @@ CALL_ARGS: dict[str, tuple[str, ...]] = {
     "down": ("h", "w_down_t", "idx", "y"),
     "predict": ("x", "fc1", "fc2", "offset", "thr", "mask"),
     "input_sparse": ("x", "mask", "w_t", "y"),
+    "gemv": ("x", "w_up", "idx", "h"),
+    "gemv_down": ("h", "w_down_t", "idx", "y"),
 }
 
 
@@ -392,7 +400,7 @@ class SparseKernel:
         return named
 
     def _is_batched(self, named: dict[str, torch.Tensor | None]) -> bool:
-        first = named["h"] if self.spec.kind == "down" else named["x"]
+        first = named["h"] if self.spec.kind in ("down", "gemv_down") else named["x"]
         return isinstance(first, torch.Tensor) and first.dim() == 2
 
     def _check(self, named: dict[str, torch.Tensor | None], batched: bool) -> list[torch.Tensor]:

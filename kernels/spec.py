@@ -27,6 +27,12 @@ Kind ``input_sparse`` (CPU only, float32/float16, one token; ``kernels/input_spa
 linear, ``w_t`` ``[n_rows, d_model]`` a weight input-major, ``x`` ``[n_rows]``, ``mask`` int8 ``[n_rows]``:
 ``y = sum_{i: mask[i] != 0} x[i] * w_t[i]`` (``y`` ``[d_model]``, written).
 
+Kind ``gemv`` (CPU only, float32/float16; ``kernels/batch_gemv.py``): a few tokens' dot products with selected
+rows, each row read once for all: ``x`` ``[t, d_model]``, ``w_up`` ``[n_rows, d_model]``, ``idx`` ``[k]``,
+``h[t, j] = w_up[idx[j]] . x[t]`` (``h`` ``[t, k]``); the batched linear layers and the union FFN's up part.
+Kind ``gemv_down`` (same file): ``down`` for several tokens, each selected row read once for all:
+``y[t] = sum_j h[t, j] * w_down_t[idx[j]]`` (``h`` ``[t, k]``, ``y`` ``[t, d_model]``).
+
 Kind ``predict`` (CPU only) is a whole activation predictor in one call, for one token:
 ``fc1`` ``[rank, d_model]``, ``fc2`` ``[n_rows, rank]`` (``weight_dtype``), optional ``offset`` ``[n_rows]``
 float32 (``has_bias``), ``thr`` float32 ``[1]``; it writes the int8 mask
@@ -40,11 +46,11 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-KernelKind = Literal["ffn_relu", "ffn_gated", "up", "up_gated", "down", "predict", "input_sparse"]
+KernelKind = Literal["ffn_relu", "ffn_gated", "up", "up_gated", "down", "predict", "input_sparse", "gemv", "gemv_down"]
 Activation = Literal["relu", "silu", "drelu", "none"]
 WeightDType = Literal["float32", "float16", "int8", "int4"]
 
-KINDS: tuple[str, ...] = ("ffn_relu", "ffn_gated", "up", "up_gated", "down", "predict", "input_sparse")
+KINDS: tuple[str, ...] = ("ffn_relu", "ffn_gated", "up", "up_gated", "down", "predict", "input_sparse", "gemv", "gemv_down")
 ACTS: tuple[str, ...] = ("relu", "silu", "drelu", "none")
 WEIGHT_DTYPES: tuple[str, ...] = ("float32", "float16")  # float weights (every kind, CPU and CUDA)
 QUANT_DTYPES: tuple[str, ...] = ("int8", "int4")  # quantized weights, layout: kernels/qformat.py
@@ -136,6 +142,9 @@ class KernelSpec:
         if self.kind == "input_sparse":  # kernels/input_sparse.py
             if self.is_cuda or self.quantized or self.has_bias or self.act != "none":
                 raise KernelSpecError("kind 'input_sparse' is CPU (llvm), float32/float16, act 'none', no bias")
+        if self.kind in ("gemv", "gemv_down"):  # kernels/batch_gemv.py
+            if self.is_cuda or self.quantized or self.has_bias or self.act != "none":
+                raise KernelSpecError(f"kind {self.kind!r} is CPU (llvm), float32/float16, act 'none', no bias")
         if self.quantized:
             if self.block not in QUANT_BLOCKS:
                 raise KernelSpecError(f"block must be one of {QUANT_BLOCKS}, got {self.block!r}")
@@ -165,11 +174,11 @@ class KernelSpec:
 
     @property
     def has_up(self) -> bool:
-        return self.kind not in ("down", "predict", "input_sparse")
+        return self.kind not in ("down", "predict", "input_sparse", "gemv", "gemv_down")
 
     @property
     def has_down(self) -> bool:
-        return self.kind in ("ffn_relu", "ffn_gated", "down")
+        return self.kind in ("ffn_relu", "ffn_gated", "down", "gemv_down")
 
     def key(self) -> str:
         """Stable hash of every field plus ``KERNEL_ABI_VERSION``: cache file stem and kernel name.

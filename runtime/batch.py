@@ -1,30 +1,35 @@
-"""Several sequences' decode steps as one graph call: decode graph (one token of one sequence) → B copies of its
-per-token work sharing one call of every weight-streaming kernel.
+"""Several sequences' decode steps as one graph call: decode graph (one token of one sequence) → one graph for B
+sequences, their per-token work stacked where it can be and every weight-streaming kernel called once.
 
-graph: forward(ids [1, 1], *past) with kv_arena buffers → forward(ids_0, *past_0, *arena_0, …, ids_B-1, …):
-  - every node runs once per sequence on that sequence's tensors (embedding, norms, rotary at its own position,
-    attention over its own KV arena), except
-  - each ``tvm_linear`` (q/k/v, o, lm_head), which runs once on the B tokens stacked, through the TVM kernel's
-    ``<key>_batch`` form (``x`` ``[B, d_in]``: each weight row read once for all B; int8 / int4 too);
+graph: forward(ids [1, 1], *past) with kv_arena buffers → forward(ids_0, *past_0, *arena_0, …, ids_B-1, …) →
+(logits [B, 1, vocab],):
+  - the aten glue (embedding, norms, head views, rotary, residual adds) runs once on the B tokens stacked along
+    dim 0 (``runtime/batch_glue.py``: the ops that are pointwise along it); only attention over each sequence's
+    own KV arena, the arena writes, the causal mask and the positions run once per sequence (``Lanes``);
+  - each ``tvm_linear`` (q/k/v, o, lm_head) runs once on the B tokens: float weights by the ``gemv`` kernel
+    (``kernels/batch_gemv.py``: each row loaded and widened once per tile of 4 tokens; a lone float16 token by
+    the linear's one-token kernel, whose sums are gemv's bit for bit), int8 / int4 by the linear kernel's
+    ``<key>_batch`` form;
   - each sparse FFN partition (a ``HybridFFN`` layer's hot and cold parts run inline, or a quantized
-    ``tvm_sparse_ffn``), which runs once on the **union** of the B tokens' predicted neurons, each token masked
-    by its own mask (``runtime/batch_ffn.py``: split up / down kernels, two calls per partition);
-  - each ``tvm_predict``, which runs as two batched GEMVs (``runtime/batch_predict.py``).
+    ``tvm_sparse_ffn``) runs once on the **union** of the B tokens' predicted neurons, each token masked by its own
+    mask (``runtime/batch_ffn.py``: float weights by ``gemv`` for gate / up and ``gemv_down``, each selected row
+    read once for the batch; int8 / int4 by the split ``up*`` / ``down`` kernels' batched forms);
+  - each ``tvm_predict`` runs as two batched GEMVs (``runtime/batch_predict.py``).
 A sequence's result never depends on the others: the per-sequence nodes compute what they compute alone, the
-batched kernels compute each (row, token) dot product by itself in the same order whatever B is, and the union
-FFN's extra rows add exact zeros to a token's sums, in ascending row order (``tests/test_serve_batch.py`` checks
-bit for bit and greedy outputs token for token). So that a request alone and a request in a batch give the same
-floats, the server runs every decode step through this form, B = 1 included; its sums run in another order
-than ``Session.generate``'s one-token kernels (fused FFN, fused predictor, GEMV), so its text can differ from
-``run``'s where two logits are near-tied or a predictor score sits at its threshold.
+stacked glue computes each row as alone, the batched kernels form each (row, token) sum the same way whatever B
+is, and the union FFN's extra rows add exact zeros to a token's sums, in ascending row order
+(``tests/test_serve_batch.py`` checks bit for bit and greedy outputs token for token). So that a request alone and
+a request in a batch give the same floats, the server runs every decode step through this form, B = 1 included;
+its sums run in another order than ``Session.generate``'s one-token kernels (fused FFN, fused predictor, GEMV),
+so its text can differ from ``run``'s where two logits are near-tied or a predictor score sits at its threshold.
 
-The FFN and predictor forms are opt-in (``union_ffn=True``, ``serve --batch-ffn union``); the default runs them
-per sequence with the one-token fused kernels, each with its own mask, which is also exact as alone. On this
-project's 2-core Zen 4 the split kernels' batched forms are compute-bound: per 1B f16 layer at B = 4 (12 % of
-the neurons per token, 23 % in the union) the union path took 2.45 ms against 1.25 ms for four fused one-token
-calls, and 0.73 against 0.42 ms at B = 1 (``benchmarks/README.md``, serving), so it pays only with batched
-kernels that stream rows at the one-token kernels' rate. A node whose batched kernels cannot be had (no TVM
-compiler to build the split kernels, a part on the GPU) runs per sequence in either mode.
+``union_ffn=None`` (``serve --batch-ffn auto``, the default) takes the union FFN where its weights are float and
+runs int8 / int4 FFNs per sequence (their split kernels' batched forms are compute-bound, see
+``benchmarks/README.md``); ``union_ffn=True`` (``--batch-ffn union``) takes it for every dtype, ``False``
+(``--batch-ffn per-request``) runs the FFN and predictors per sequence with the one-token fused kernels instead,
+each with its own mask (also exact as alone; B times the FFN's bytes). A node
+whose batched kernels cannot be had (no TVM compiler to build them, a part on the GPU) runs per sequence in
+either mode.
 
 ``BatchRunner`` holds the KV cache of each slot (one arena per past input, ``max_seq_len`` positions), prefills a
 slot (or a chunk of its prompt) with the session's prefill graph on that slot's arenas, and decodes any set of
@@ -41,7 +46,8 @@ from torch import Tensor, fx
 
 from picompile.ir.schema import args_of, node_op
 from picompile.runtime.batch_ffn import batched_hybrid, batched_part, split_kernels
-from picompile.runtime.batch_predict import batched_predict, gemv_kernel
+from picompile.runtime.batch_glue import batched_kwargs, stackable, varies, varying_symbols
+from picompile.runtime.batch_predict import batched_predict, gemv_kernel, multi_gemv_kernel
 from picompile.runtime.hybrid import HYBRID_MASKS, HybridFFN, hybrid_args
 from picompile.runtime.partitions import PART_WEIGHTS, EmptyPartition, InlinePartition, ThreadPartition
 
@@ -52,21 +58,37 @@ def batched_linear(xs: Sequence[Tensor], w: Tensor, b: Tensor | None, kernel: st
                    s: Tensor | None = None) -> list[Tensor]:
     """``tvm_linear`` for several tokens at once: xs (B tensors [..., d_in], one token each) → B outputs [..., d_out],
     by the kernel's batched form (one pass over the weight rows for all B; int8 / int4: w's quants, s its scales)."""
-    from picompile.kernels import aligned_empty, as_aligned
+    from picompile.kernels import as_aligned
     from picompile.kernels.table import find_kernel
 
     kern = find_kernel(kernel)
     if kern is None:
         raise RuntimeError(f"TVM kernel {kernel} (linear) is not loaded")
     x = as_aligned(torch.cat([t.reshape(1, -1) for t in xs]))  # [B, d_in]
-    y = aligned_empty((len(xs), w.shape[0]))  # [B, d_out]
-    if s is None:
+    y = _linear_rows(x, w, b, kern, s)  # [B, d_out]
+    return [y[i].reshape(*t.shape[:-1], w.shape[0]) for i, t in enumerate(xs)]
+
+
+def _linear_rows(x: Tensor, w: Tensor, b: Tensor | None, kern: Any, s: Tensor | None) -> Tensor:
+    """x [B, d_in] (aligned) → [B, d_out]: float weights by the ``gemv`` kernel (each row read once for all B,
+    ``kernels/batch_gemv.py``), else the linear kernel's batched form (int8 / int4: s the scales)."""
+    from picompile.kernels import aligned_empty
+
+    y = aligned_empty((x.shape[0], w.shape[0]))  # [B, d_out]
+    multi = multi_gemv_kernel(w.shape[0], w.shape[1], w.dtype) if s is None else None
+    if multi is not None and x.shape[0] == 1 and w.dtype == torch.float16:
+        # one token: the linear's own one-token kernel, which forms every sum as ``gemv`` does for float16 (32
+        # lanes, the same halving tree: equal bit for bit, tests/test_batch_gemv.py) and is what ``run`` decodes with
+        kern.unchecked(x.reshape(-1), w, None, None, _rows(w.shape[0]), y.reshape(-1))  # type: ignore[attr-defined]
+    elif multi is not None:
+        multi.unchecked(x, w, _rows(w.shape[0]), y)
+    elif s is None:
         kern.unchecked(x, w, None, None, _rows(w.shape[0]), y)  # type: ignore[attr-defined]
     else:
         kern.unchecked(x, w, s, None, None, None, _rows(w.shape[0]), y)  # type: ignore[attr-defined]
     if b is not None:
         y += b
-    return [y[i].reshape(*t.shape[:-1], w.shape[0]) for i, t in enumerate(xs)]
+    return y
 
 
 _ROWS: dict[int, Tensor] = {}
@@ -86,7 +108,143 @@ def _batchable(node: fx.Node) -> bool:
     return isinstance(a.get("kernel"), str) and bool(a["kernel"]) and not isinstance(a.get("x"), (list, tuple))
 
 
-_Builder = Callable[[fx.Node, list[dict[fx.Node, Any]]], tuple[Callable[..., Any], tuple[Any, ...]]]
+class Lanes:
+    """Where each node of the one-sequence graph lives in the B-sequence graph being built: ``shared`` (one node
+    for all sequences: weights, constants), ``batched`` (one node, the B sequences' values stacked along dim 0,
+    ``runtime/batch_glue.py``) or ``perseq`` (B nodes). Converts between them on demand (``narrow`` views out of
+    a stacked value, one ``cat`` into one), each conversion made once."""
+
+    def __init__(self, new: fx.Graph, batch: int, syms: set[Any]) -> None:
+        self.new, self.batch, self.syms = new, batch, syms
+        self.lane: dict[fx.Node, str] = {}
+        self.one: dict[fx.Node, fx.Node] = {}  # shared / batched: the node
+        self.seqs: dict[fx.Node, list[fx.Node]] = {}  # perseq: one node per sequence
+        self._narrow: dict[tuple[fx.Node, int], fx.Node] = {}
+        self._cat: dict[fx.Node, fx.Node] = {}
+
+    def set(self, node: fx.Node, lane: str, value: Any) -> None:
+        self.lane[node] = lane
+        if lane == "perseq":
+            self.seqs[node] = list(value)
+        else:
+            self.one[node] = value
+
+    def seq(self, a: fx.Node, b: int) -> fx.Node:
+        """Sequence b's value of ``a``."""
+        lane = self.lane[a]
+        if lane == "perseq":
+            return self.seqs[a][b]
+        if lane == "shared":
+            return self.one[a]
+        if (a, b) not in self._narrow:
+            self._narrow[(a, b)] = self.new.call_function(torch.narrow, (self.one[a], 0, b, 1))
+        return self._narrow[(a, b)]
+
+    def can_stack(self, a: fx.Node) -> bool:
+        lane = self.lane[a]
+        return lane == "batched" or (lane == "perseq" and stackable(a.meta.get("val"), self.syms))
+
+    def stacked(self, a: fx.Node) -> fx.Node | None:
+        """The B values of ``a`` stacked along dim 0, or None when they do not stack."""
+        if not self.can_stack(a):
+            return None
+        if self.lane[a] == "batched":
+            return self.one[a]
+        if a not in self._cat:
+            self._cat[a] = self.new.call_function(torch.cat, ([self.seqs[a][b] for b in range(self.batch)], 0))
+        return self._cat[a]
+
+    def forget_stack(self, a: fx.Node) -> None:
+        """Drop the stacked copy of the per-sequence ``a`` (a node wrote to it: a later use stacks it anew)."""
+        self._cat.pop(a, None)
+
+    def common(self, a: fx.Node) -> fx.Node | None:
+        """The one value of ``a`` every sequence has (shared, or a per-sequence int / SymInt that names no varying
+        symbol: the token count), or None."""
+        if self.lane[a] == "shared":
+            return self.one[a]
+        val = a.meta.get("val")
+        if self.lane[a] == "perseq" and isinstance(val, (int, torch.SymInt)) and not varies(val, self.syms):
+            return self.seqs[a][0]
+        return None
+
+
+def _mutates(node: fx.Node) -> bool:
+    """Whether an aten node writes to one of its arguments (``copy_``, ``add_``, …)."""
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+
+
+def _node_arg(lanes: Lanes, value: Any, stacked: bool) -> Any:
+    """An argument of a batched call: a node stacked (``stacked``) or common, None when absent."""
+    if not isinstance(value, fx.Node):
+        return value
+    return lanes.stacked(value) if stacked else lanes.common(value)
+
+
+def batched_linear_stacked(x: Tensor, w: Tensor, b: Tensor | None, kernel: str, s: Tensor | None = None) -> Tensor:
+    """``tvm_linear`` on x [B, ..., d_in] (the B tokens stacked) → [B, ..., d_out] by the kernel's batched form."""
+    from picompile.kernels import as_aligned
+    from picompile.kernels.table import find_kernel
+
+    kern = find_kernel(kernel)
+    if kern is None:
+        raise RuntimeError(f"TVM kernel {kernel} (linear) is not loaded")
+    y = _linear_rows(as_aligned(x.reshape(x.shape[0], -1)), w, b, kern, s)  # [B, d_out]
+    return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+def _quantized_kernel(key: str) -> bool:
+    from picompile.kernels.table import find_kernel
+
+    return bool(key) and bool(getattr(getattr(find_kernel(key), "spec", None), "quantized", False))
+
+
+def _ffn_call(node: fx.Node, lanes: Lanes, float_only: bool = False) -> tuple[Callable[..., Any], tuple[Any, ...]] | None:
+    """The union-masked call of a sparse FFN node or predictor for the B tokens (``runtime/batch_ffn.py``,
+    ``batch_predict.py``), its x and masks stacked where they stack (else lists), or None (per sequence).
+    ``float_only``: an FFN with int8 / int4 weights (no ``gemv`` kernels: the split kernels' batched forms,
+    compute-bound) stays per sequence."""
+    if node.op != "call_function":
+        return None
+
+    def xs_of(v: Any) -> Any:
+        if not isinstance(v, fx.Node):
+            return [None] * lanes.batch
+        st = lanes.stacked(v)
+        return st if st is not None else [lanes.seq(v, b) for b in range(lanes.batch)]
+
+    def w(v: Any) -> Any:
+        return lanes.one[v] if isinstance(v, fx.Node) else v
+
+    if isinstance(node.target, HybridFFN):
+        keys = (_part_kernel(node.target.hot), _part_kernel(node.target.cold))
+        if None in keys or (float_only and any(_quantized_kernel(k) for k in keys if k)):
+            return None
+        a = hybrid_args(node)
+        weights = {n: w(a[n]) for n in a if n not in ("x", *HYBRID_MASKS)}
+        hot = tuple(weights[n + "_h"] for n in PART_WEIGHTS)
+        cold = tuple(weights[n + "_c"] for n in PART_WEIGHTS)
+        return batched_hybrid, (xs_of(a["x"]), hot, xs_of(a["mask_h"]), cold, xs_of(a["mask_c"]), weights["bias"],
+                                keys[0], keys[1])
+    if node_op(node) == "tvm_predict":
+        if not _predict_ok(node):
+            return None
+        a = args_of(node)
+        return batched_predict, (xs_of(a["x"]), w(a["fc1"]), w(a["fc2"]), float(a["threshold"]), str(a["act"]),
+                                 w(a.get("offset")))
+    if node_op(node) != "tvm_sparse_ffn":
+        return None
+    a = args_of(node)
+    if isinstance(a.get("x"), (list, tuple)) or not (a.get("kernel") == "" or _splittable(a.get("kernel"))):
+        return None
+    if float_only and a.get("s_up") is not None:
+        return None
+    ws = {n: w(a.get(n)) for n in (*PART_WEIGHTS, "s_up", "s_gate", "s_down")}
+    return batched_part, (xs_of(a["x"]), ws["w_up"], ws["b_up"], ws["w_gate"], ws["w_down_t"], xs_of(a.get("mask")),
+                          a["kernel"], ws["s_up"], ws["s_gate"], ws["s_down"])
+
+
 _UNBATCHED: dict[str, str] = {}  # fused kernel key (or "predictor N") -> why it runs per sequence ("" = batched)
 
 
@@ -113,129 +271,104 @@ def _part_kernel(part: Any) -> str | None:
     return None  # on the GPU: per sequence
 
 
-def _batchable_ffn(node: fx.Node) -> _Builder | None:
-    """How the B copies of a sparse FFN node become one union-masked call (``runtime/batch_ffn.py``), or None."""
-    if node.op != "call_function":
-        return None
-    if isinstance(node.target, HybridFFN):
-        keys = (_part_kernel(node.target.hot), _part_kernel(node.target.cold))
-        if None in keys:
-            return None
-
-        def hybrid(node: fx.Node, envs: list[dict[fx.Node, Any]]) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-            a = hybrid_args(node)
-            e0 = envs[0]
-            weights = {n: e0[a[n]] if isinstance(a[n], fx.Node) else a[n] for n in a if n not in ("x", *HYBRID_MASKS)}
-            hot = tuple(weights[n + "_h"] for n in PART_WEIGHTS)
-            cold = tuple(weights[n + "_c"] for n in PART_WEIGHTS)
-            xs = [env[a["x"]] for env in envs]
-            mh = [env[a["mask_h"]] if isinstance(a["mask_h"], fx.Node) else None for env in envs]
-            mc = [env[a["mask_c"]] if isinstance(a["mask_c"], fx.Node) else None for env in envs]
-            return batched_hybrid, (xs, hot, mh, cold, mc, weights["bias"], keys[0], keys[1])
-
-        return hybrid
-    if node_op(node) == "tvm_predict":
-        return _batchable_predict(node)
-    if node_op(node) != "tvm_sparse_ffn":
-        return None
-    a = args_of(node)
-    if isinstance(a.get("x"), (list, tuple)) or not (a.get("kernel") == "" or _splittable(a.get("kernel"))):
-        return None
-
-    def part(node: fx.Node, envs: list[dict[fx.Node, Any]]) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-        a = args_of(node)
-        e0 = envs[0]
-        w = {n: e0[a[n]] if isinstance(a.get(n), fx.Node) else a.get(n)
-             for n in (*PART_WEIGHTS, "s_up", "s_gate", "s_down")}
-        xs = [env[a["x"]] for env in envs]
-        masks = [env[a["mask"]] if isinstance(a.get("mask"), fx.Node) else None for env in envs]
-        return batched_part, (xs, w["w_up"], w["b_up"], w["w_gate"], w["w_down_t"], masks, a["kernel"],
-                              w["s_up"], w["s_gate"], w["s_down"])
-
-    return part
-
-
-def _batchable_predict(node: fx.Node) -> _Builder | None:
-    """How the B copies of a ``tvm_predict`` node become one ``batched_predict`` call, or None (per sequence)."""
+def _predict_ok(node: fx.Node) -> bool:
+    """Whether a ``tvm_predict`` node's B copies can be one ``batched_predict`` call (its GEMV kernels built)."""
     a = args_of(node)
     fc1, fc2 = a.get("fc1"), a.get("fc2")
     shapes = [getattr(t, "meta", {}).get("val") for t in (fc1, fc2)]
     if isinstance(a.get("x"), (list, tuple)) or a.get("act") not in ("relu", "none") or None in shapes:
-        return None
+        return False
     try:  # both kernels compile (or come from the cache) here, once per shape
         gemv_kernel(shapes[0].shape[0], shapes[0].shape[1], shapes[0].dtype, str(a["act"]))
         gemv_kernel(shapes[1].shape[0], shapes[1].shape[1], shapes[1].dtype, "none")
     except Exception as e:
         _UNBATCHED[f"predictor {a.get('layer')}"] = f"{type(e).__name__}: {e}"
-        return None
-
-    def predict(node: fx.Node, envs: list[dict[fx.Node, Any]]) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-        a = args_of(node)
-        e0 = envs[0]
-        offset = e0[a["offset"]] if isinstance(a.get("offset"), fx.Node) else None
-        return batched_predict, ([env[a["x"]] for env in envs], e0[a["fc1"]], e0[a["fc2"]], float(a["threshold"]),
-                                 str(a["act"]), offset)
-
-    return predict
+        return False
+    return True
 
 
-def batch_graph(gm: fx.GraphModule, n_past: int, batch: int, union_ffn: bool = False) -> tuple[fx.GraphModule, int]:
+def batch_graph(gm: fx.GraphModule, n_past: int, batch: int,
+                union_ffn: bool | None = None) -> tuple[fx.GraphModule, int]:
     """The B-sequence form of the arena decode graph ``gm`` (see the module docstring). Its inputs, per sequence
-    in order: ids [1, 1], n_past past views (read only for their length), n_past arenas; it returns the B logits.
-    Also returns how many linear calls are shared."""
+    in order: ids [1, 1], n_past past views (read only for their length), n_past arenas; it returns the B logits
+    stacked, [B, 1, vocab]. Also returns how many linear calls are shared. ``union_ffn``: True / False, or None
+    (auto) for the union FFN where its weights are float (the ``gemv`` kernels) and per sequence where they are
+    int8 / int4; the predictors are batched in both True and None."""
     src = gm.graph
     new = fx.Graph()
-    envs: list[dict[fx.Node, Any]] = [{} for _ in range(batch)]
-    shared: dict[fx.Node, fx.Node] = {}  # weight get_attrs: one node for all copies
     placeholders = [n for n in src.nodes if n.op == "placeholder"]
+    lanes = Lanes(new, batch, varying_symbols(src, placeholders[1:1 + n_past]))
     arenas = sorted((int(m.group(1)), n) for n in src.nodes if n.op == "get_attr" and (m := _ARENA.match(str(n.target))))
+    made: dict[fx.Node, list[fx.Node]] = {n: [] for n in placeholders + [n for _, n in arenas]}
     for b in range(batch):
         for n in placeholders:
-            envs[b][n] = new.placeholder(f"{n.name}_s{b}")
-            envs[b][n].meta.update(n.meta)
+            made[n].append(new.placeholder(f"{n.name}_s{b}"))
+            made[n][-1].meta.update(n.meta)
         for i, n in arenas:
-            envs[b][n] = new.placeholder(f"arena{i}_s{b}")
-    n_shared = n_ffn = 0
-    outputs: list[Any] = []
+            made[n].append(new.placeholder(f"arena{i}_s{b}"))
+    for n, nodes in made.items():
+        lanes.set(n, "perseq", nodes)
+    n_shared = n_ffn = n_batched = n_perseq = 0
     for node in src.nodes:
-        if node.op == "placeholder" or (node.op == "get_attr" and _ARENA.match(str(node.target))):
+        if node in lanes.lane:
             continue
         if node.op == "get_attr":
-            shared[node] = new.get_attr(node.target)
-            shared[node].meta.update(node.meta)
-            for env in envs:
-                env[node] = shared[node]
+            g = new.get_attr(node.target)
+            g.meta.update(node.meta)
+            lanes.set(node, "shared", g)
             continue
         if node.op == "output":
             (returned,) = node.args  # the arena graph returns (logits,)
-            outputs = [fx.map_arg(returned[0], lambda a, env=env: env[a]) for env in envs]
+            logits = returned[0]
+            st = lanes.stacked(logits)
+            if st is None:
+                st = new.call_function(torch.cat, ([lanes.seq(logits, b) for b in range(batch)], 0))
+            new.output((st,))
+            continue
+        inputs = node.all_input_nodes
+        if inputs and all(lanes.lane[a] == "shared" for a in inputs) and node.op == "call_function":
+            c = new.node_copy(node, lambda a: lanes.one[a])
+            lanes.set(node, "shared", c)
             continue
         if _batchable(node):
             a = args_of(node)
-            w, bias = a["w"], a.get("b")
-            xs = [env[a["x"]] for env in envs]
-            scale = a.get("s")
-            call = new.call_function(batched_linear, (xs, envs[0][w], envs[0][bias] if bias is not None else None,
-                                                      a["kernel"], envs[0][scale] if scale is not None else None))
-            for b, env in enumerate(envs):
-                env[node] = new.call_function(operator.getitem, (call, b))
-                env[node].meta.update(node.meta)
+            x = lanes.stacked(a["x"])
+            args = (lanes.one[a["w"]], lanes.one[a["b"]] if a.get("b") is not None else None, a["kernel"],
+                    lanes.one[a["s"]] if a.get("s") is not None else None)
+            if x is not None:
+                lanes.set(node, "batched", new.call_function(batched_linear_stacked, (x, *args)))
+            else:
+                call = new.call_function(batched_linear, ([lanes.seq(a["x"], b) for b in range(batch)], *args))
+                lanes.set(node, "perseq", [new.call_function(operator.getitem, (call, b)) for b in range(batch)])
             n_shared += 1
             continue
-        ffn = _batchable_ffn(node) if union_ffn else None  # the FFN parts and predictors
+        ffn = _ffn_call(node, lanes, union_ffn is None) if union_ffn is not False else None  # FFN parts, predictors
         if ffn is not None:
-            call = new.call_function(*ffn(node, envs))
-            for b, env in enumerate(envs):
-                env[node] = new.call_function(operator.getitem, (call, b))
-                env[node].meta.update(node.meta)
+            call = new.call_function(*ffn)
+            if isinstance(ffn[1][0], fx.Node):  # x stacked: the result is stacked
+                lanes.set(node, "batched", call)
+            else:
+                lanes.set(node, "perseq", [new.call_function(operator.getitem, (call, b)) for b in range(batch)])
             n_ffn += 1
             continue
-        for env in envs:
-            env[node] = new.node_copy(node, lambda a, env=env: env[a])
-    new.output(tuple(outputs))
+        if node.op == "call_function":
+            stacked = {a for a in inputs if lanes.can_stack(a)}
+            kwargs = batched_kwargs(node, batch, stacked, lanes.syms)
+            if kwargs is not None and all(a in stacked or lanes.common(a) is not None for a in inputs):
+                mapped = fx.map_arg(kwargs, lambda a: _node_arg(lanes, a, a in stacked))
+                lanes.set(node, "batched", new.call_function(node.target, (), mapped))
+                n_batched += 1
+                continue
+        lanes.set(node, "perseq", [new.node_copy(node, lambda a, b=b: lanes.seq(a, b)) for b in range(batch)])
+        if _mutates(node):  # a stacked copy of what it writes would be stale from here on
+            for a in inputs:
+                lanes.forget_stack(a)
+        n_perseq += 1
     module = fx.GraphModule(gm, new)
     module.graph.lint()
     module.meta["batched_ffns"] = n_ffn
+    module.meta["batched_nodes"] = n_batched  # aten nodes run once on the stacked tokens
+    module.meta["perseq_nodes"] = n_perseq  # nodes run once per sequence (attention, KV writes, positions)
     return module, n_shared
 
 
@@ -246,7 +379,7 @@ class BatchRunner:
     slot's arenas after its first ``start`` positions; ``decode([(slot, token, position), …])`` runs one token of
     each listed slot in one call of the B-sequence graph and returns their logits [B, vocab]."""
 
-    def __init__(self, session: Any, slots: int, union_ffn: bool = False) -> None:
+    def __init__(self, session: Any, slots: int, union_ffn: bool | None = None) -> None:
         if session.kv is None:
             raise RuntimeError(f"batched decoding needs the in-place KV cache ({session.kv_reason})")
         if session.compiled:
@@ -257,7 +390,7 @@ class BatchRunner:
         self.slots: list[list[Tensor]] = [[torch.zeros(s, dtype=d) for s, d in shapes] for _ in range(slots)]
         self._graphs: dict[int, tuple[fx.GraphModule, Callable[..., Any]]] = {}
         self.shared_linears = 0
-        self.union_ffn = union_ffn  # the FFN on the union of the batch's neurons and batched predictors (module doc)
+        self.union_ffn = union_ffn  # the FFN on the union of the batch's neurons (None: float weights), batch_graph
 
     @property
     def max_seq_len(self) -> int:
@@ -305,5 +438,5 @@ class BatchRunner:
             args += [a[:, :, :pos] for a in arenas]
             args += arenas
         with torch.inference_mode():
-            outs = self._graph(len(steps))(*args)
-        return torch.stack([o.reshape(-1, o.shape[-1])[-1] for o in outs])
+            (logits,) = self._graph(len(steps))(*args)  # [B, 1, vocab]
+        return logits.reshape(len(steps), -1, logits.shape[-1])[:, -1]

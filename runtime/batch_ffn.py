@@ -8,7 +8,10 @@ One FFN partition (hot or cold rows), B tokens, each with its own predicted mask
     h[t, j] = 0 where token t's mask does not select idx[j]                   # each token's own mask
     y_t  = Σ_j h[t, j] · w_down_t[idx[j]]   over the j where some h[:, j] ≠ 0  # [B, d]  (``<down>_batch``)
 
-Two kernel calls per partition, each weight row read once for all B tokens. The fused ``ffn_*`` kernel (one
+Each weight row read once for all B tokens. For float weights the dot products are ``gemv`` calls and the down
+sums ``gemv_down`` (``kernels/batch_gemv.py``); a ReLU / dReLU gate is computed first and the up and down rows are
+read only where some token that selects the row has a positive gate (``_gated_relu_rows``: the one-token kernel's
+``skip_inactive``, for the batch). int8 / int4: the split ``up*`` / ``down`` kernels, two calls. The fused ``ffn_*`` kernel (one
 call) cannot be used: it has no per-token mask, and it cuts the rows into ``cores`` contiguous parts whose
 partial sums it adds last, so where a row falls — and so the rounding — would depend on the union. The split
 kinds keep every output element's sum independent of the union: ``up*`` computes each (row, token) dot product by
@@ -59,28 +62,49 @@ def split_kernels(key: str) -> tuple[Any, Any]:
     return _SPLIT[key]
 
 
+def _stack(xs: Tensor | Sequence[Tensor], width: int) -> Tensor:
+    """B tokens' vectors as one [B, width] tensor: ``xs`` stacked already ([B, ..., width]) or a list of B."""
+    if isinstance(xs, Tensor):
+        return xs.reshape(-1, width)
+    return torch.cat([t.reshape(1, width) for t in xs])
+
+
+def _unstack(y: Tensor, xs: Tensor | Sequence[Tensor]) -> Tensor | list[Tensor]:
+    """y [B, d] in the form of ``xs``: stacked like it, or a list of B tensors shaped like its items."""
+    if isinstance(xs, Tensor):
+        return y.reshape(xs.shape)
+    return [y[i].reshape(xs[i].shape) for i in range(len(xs))]
+
+
+def _batch_size(xs: Tensor | Sequence[Tensor]) -> int:
+    return int(xs.shape[0]) if isinstance(xs, Tensor) else len(xs)
+
+
 def batched_part(
-    xs: Sequence[Tensor],  # B tensors [..., d_model], one token each
+    xs: Tensor | Sequence[Tensor],  # [B, ..., d_model] stacked, or B tensors [..., d_model], one token each
     w_up: Optional[Tensor],  # [k, d_model] (int8 / int4: quants); None or k = 0: no rows
     b_up: Optional[Tensor],  # [k]
     w_gate: Optional[Tensor],  # [k, d_model]
     w_down_t: Tensor,  # [k, d_model]
-    masks: Sequence[Optional[Tensor]],  # B tensors [..., k] bool, or None (every row)
+    masks: Tensor | Sequence[Optional[Tensor]],  # [B, ..., k] bool stacked, or B tensors (None: every row)
     kernel: str,  # the part's fused CPU kernel key ("" = no rows)
     s_up: Optional[Tensor] = None,  # [k, d_model / block] float16 scales (quantized weights)
     s_gate: Optional[Tensor] = None,
     s_down: Optional[Tensor] = None,
-) -> list[Tensor]:
+) -> Tensor | list[Tensor]:
     """One FFN partition for B tokens over the union of their masks, each token masked by its own (module
-    docstring) → B outputs [..., d_model] (without b_down: the merge adds it)."""
+    docstring) → B outputs [..., d_model] (without b_down: the merge adds it), stacked when ``xs`` is."""
     from picompile.kernels import aligned_empty, as_aligned
+    from picompile.runtime.batch_predict import multi_gemv_kernel
 
     if not kernel or w_up is None or w_up.shape[0] == 0:  # a part with no rows (all on the other device)
-        return [torch.zeros_like(x) for x in xs]
-    d, n_rows, b = xs[0].shape[-1], w_up.shape[0], len(xs)
+        return torch.zeros_like(xs) if isinstance(xs, Tensor) else [torch.zeros_like(x) for x in xs]
+    d, n_rows, b = xs[0].shape[-1], w_up.shape[0], _batch_size(xs)
     up, down = split_kernels(kernel)
-    x = as_aligned(torch.cat([t.reshape(1, d) for t in xs]))  # [B, d_model]
-    if any(m is None for m in masks):
+    x = as_aligned(_stack(xs, d))  # [B, d_model]
+    if isinstance(masks, Tensor):
+        sel = masks.reshape(b, n_rows)  # [B, n_rows]
+    elif any(m is None for m in masks):
         sel = torch.ones((b, n_rows), dtype=torch.bool)
         for i, m in enumerate(masks):
             if m is not None:
@@ -88,39 +112,120 @@ def batched_part(
     else:
         sel = torch.cat([m.reshape(1, n_rows) for m in masks])  # type: ignore[union-attr]  # [B, n_rows]
     idx = sel.any(0).nonzero().squeeze(1).to(torch.int32)  # [k_union]
-    h = aligned_empty((b, idx.numel()))  # [B, k_union]
-    if s_up is None:
-        up.unchecked(x, w_up, w_gate, b_up, idx, h)
+    gated = _gated_relu_rows(x, w_up, b_up, w_gate, idx, sel, up.spec) if s_up is None else None
+    if gated is not None:  # only the rows whose gate fired for a token that selects them, h masked already
+        idx, h = gated
     else:
-        up.unchecked(x, w_up, s_up, w_gate, s_gate, b_up, idx, h)
-    if b > 1:
-        h.masked_fill_(~sel.index_select(1, idx), 0.0)  # each token's own neurons only
-    live = h.ne(0).any(0)  # [k_union]: rows some token needs
-    if not bool(live.all()):
-        idx = idx[live]
-        h = as_aligned(h[:, live].contiguous())
+        maybe = _up_by_gemv(x, w_up, b_up, w_gate, idx, up.spec) if s_up is None else None  # [B, k_union]
+        if maybe is None:
+            maybe = aligned_empty((b, idx.numel()))  # [B, k_union]
+            if s_up is None:
+                up.unchecked(x, w_up, w_gate, b_up, idx, maybe)
+            else:
+                up.unchecked(x, w_up, s_up, w_gate, s_gate, b_up, idx, maybe)
+        h = maybe
+        if b > 1:
+            h.masked_fill_(~sel.index_select(1, idx), 0.0)  # each token's own neurons only
+        live = h.ne(0).any(0)  # [k_union]: rows some token needs
+        if not bool(live.all()):
+            idx = idx[live]
+            h = as_aligned(h[:, live].contiguous())
     y = aligned_empty((b, d))  # [B, d_model]
-    if s_down is None:
+    multi = multi_gemv_kernel(w_down_t.shape[0], d, w_down_t.dtype, "gemv_down") if s_down is None else None
+    if multi is not None:  # each row read once for all B tokens (kernels/batch_gemv.py)
+        multi.unchecked(h, w_down_t, idx, y)
+    elif s_down is None:
         down.unchecked(h, w_down_t, idx, y)
     else:
         down.unchecked(h, w_down_t, s_down, idx, y)
-    return [y[i].reshape(xs[i].shape) for i in range(b)]
+    return _unstack(y, xs)
+
+
+def _gated_relu_rows(x: Tensor, w_up: Tensor, b_up: Optional[Tensor], w_gate: Optional[Tensor], idx: Tensor,
+                     sel: Tensor, spec: Any) -> Optional[tuple[Tensor, Tensor]]:
+    """A ReLU / dReLU gated part of float weights as the one-token kernel's ``skip_inactive`` does it: the gate
+    rows of the union first (``gemv``), then up rows only where some token that selects the row has a positive
+    gate → (rows [k_live] int32, h [B, k_live] with each token's own mask applied). The rows left out have
+    ``h = 0`` for every token, so the down sums are those of the full union (exact zeros left out, same order).
+    None where this does not apply (another activation, a gate bias, quantized weights, no ``gemv`` kernel)."""
+    from picompile.kernels import aligned_empty, as_aligned
+    from picompile.runtime.batch_predict import multi_gemv_kernel
+
+    if not spec.gated or spec.gate_bias or spec.act not in ("relu", "drelu") or w_gate is None:
+        return None
+    kern = multi_gemv_kernel(w_up.shape[0], w_up.shape[1], w_up.dtype)
+    if kern is None:
+        return None
+    b, k = x.shape[0], idx.numel()
+    g = aligned_empty((b, k))  # [B, k]: gate rows · x
+    kern.unchecked(x, w_gate, idx, g)
+    keep = g > 0  # [B, k]
+    if b > 1:
+        keep &= sel.index_select(1, idx)  # each token's own neurons only
+    live = keep.any(0)  # [k]
+    rows = idx[live].contiguous()  # [k_live]
+    u = aligned_empty((b, rows.numel()))  # [B, k_live]: up rows · x
+    kern.unchecked(x, w_up, rows, u)
+    if b_up is not None:
+        u += b_up.index_select(0, rows).float()
+    if spec.act == "drelu":
+        u.relu_()
+    h = g[:, live].relu_().mul_(u)  # [B, k_live]: act(gate) * up, as _up_by_gemv
+    if b > 1:
+        h.masked_fill_(~keep[:, live], 0.0)
+    return rows, as_aligned(h.contiguous())
+
+
+def _up_by_gemv(x: Tensor, w_up: Tensor, b_up: Optional[Tensor], w_gate: Optional[Tensor], idx: Tensor,
+                spec: Any) -> Optional[Tensor]:
+    """The up part ``h`` [B, k] of float weights by the ``gemv`` kernel (each selected row read once for all B
+    tokens, ``kernels/batch_gemv.py``), the activation in torch; None where that kernel is not to be had (the
+    split ``up*`` kernel's batched form then runs)."""
+    from picompile.kernels import aligned_empty, as_aligned
+    from picompile.runtime.batch_predict import multi_gemv_kernel
+
+    if spec.gate_bias or spec.act not in ("relu", "silu", "drelu", "none"):
+        return None
+    kern = multi_gemv_kernel(w_up.shape[0], w_up.shape[1], w_up.dtype)
+    if kern is None:
+        return None
+    b, k = x.shape[0], idx.numel()
+    u = aligned_empty((b, k))  # [B, k]: up rows · x
+    kern.unchecked(x, w_up, idx, u)
+    if b_up is not None:
+        u += b_up.index_select(0, idx).float()
+    if spec.gated:
+        assert w_gate is not None
+        g = aligned_empty((b, k))  # [B, k]: gate rows · x
+        kern.unchecked(x, w_gate, idx, g)
+        if spec.act == "drelu":
+            return as_aligned(g.relu_().mul_(u.relu_()))
+        gate = g.relu_() if spec.act == "relu" else torch.nn.functional.silu(g, inplace=True) if spec.act == "silu" else g
+        return as_aligned(gate.mul_(u))
+    if spec.act == "relu":
+        return as_aligned(u.relu_())
+    if spec.act == "silu":
+        return as_aligned(torch.nn.functional.silu(u, inplace=True))
+    return u
 
 
 def batched_hybrid(
-    xs: Sequence[Tensor],  # B tensors [..., d_model]
+    xs: Tensor | Sequence[Tensor],  # [B, ..., d_model] stacked, or B tensors [..., d_model]
     hot: tuple[Tensor, Optional[Tensor], Optional[Tensor], Tensor],  # w_up, b_up, w_gate, w_down_t [k_hot, …]
-    masks_h: Sequence[Optional[Tensor]],  # B tensors [..., k_hot] bool
+    masks_h: Tensor | Sequence[Optional[Tensor]],  # [B, ..., k_hot] bool (or a list of B)
     cold: tuple[Tensor, Optional[Tensor], Optional[Tensor], Tensor],  # [k_cold, …]
-    masks_c: Sequence[Optional[Tensor]],  # B tensors [..., k_cold] bool
+    masks_c: Tensor | Sequence[Optional[Tensor]],  # [B, ..., k_cold] bool (or a list of B)
     bias: Optional[Tensor],  # [d_model] b_down
     hot_kernel: str,
     cold_kernel: str,
-) -> list[Tensor]:
-    """A ``HybridFFN`` layer (runtime/hybrid.py) for B tokens: each part by :func:`batched_part`, then per token
-    ``merge_parts`` (hot + cold (+ b_down), the one-token order) → B outputs [..., d_model]."""
+) -> Tensor | list[Tensor]:
+    """A ``HybridFFN`` layer (runtime/hybrid.py) for B tokens: each part by :func:`batched_part`, then
+    ``merge_parts`` (hot + cold (+ b_down), the one-token order, elementwise) → B outputs [..., d_model], stacked
+    when ``xs`` is."""
     from picompile.runtime.hybrid import merge_parts
 
     ys_h = batched_part(xs, *hot, masks_h, hot_kernel)
     ys_c = batched_part(xs, *cold, masks_c, cold_kernel)
+    if isinstance(ys_h, Tensor) and isinstance(ys_c, Tensor):
+        return merge_parts(ys_h, ys_c, bias)
     return [merge_parts(h, c, bias) for h, c in zip(ys_h, ys_c)]

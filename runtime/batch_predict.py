@@ -41,6 +41,31 @@ def gemv_kernel(n_rows: int, d: int, dtype: torch.dtype, act: str) -> Any:
     return _GEMV[key]
 
 
+_MULTI: dict[tuple[int, int, str, str], Any] = {}  # (n_rows, d, dtype, kind) -> the kernel, or None (none for it)
+
+
+def multi_gemv_kernel(n_rows: int, d: int, dtype: torch.dtype, kind: str = "gemv") -> Any:
+    """The CPU ``gemv`` kernel (``kernels/batch_gemv.py``: several tokens, each row read once for all) over a
+    [n_rows, d] weight of ``dtype``, compiled or taken from the kernel cache on first use; None where it has no
+    schedule (quantized weights, d not a multiple of its lanes) or cannot be built here (no TVM compiler).
+    ``kind="gemv_down"``: the several-token down kernel over a [n_rows, d] ``w_down_t`` instead."""
+    name = _DTYPES.get(dtype)
+    if name is None:
+        return None
+    key = (n_rows, d, name, kind)
+    if key not in _MULTI:
+        from picompile.config import kernel_cache_dir
+        from picompile.kernels import KernelSpec, build_kernel, load_kernel
+
+        spec = KernelSpec(kind=kind, act="none", d_model=d, n_rows=n_rows, weight_dtype=name,  # type: ignore[arg-type]
+                          has_bias=False, target="llvm")
+        try:
+            _MULTI[key] = load_kernel(build_kernel(spec, kernel_cache_dir()), spec)
+        except Exception:  # no compiler, or a shape it does not take: the callers keep their other kernels
+            _MULTI[key] = None
+    return _MULTI[key]
+
+
 _ROWS: dict[int, Tensor] = {}
 
 
@@ -51,25 +76,36 @@ def _rows(n: int) -> Tensor:
 
 
 def batched_predict(
-    xs: Sequence[Tensor],  # B tensors [..., d_model], one token each
+    xs: Tensor | Sequence[Tensor],  # [B, ..., d_model] stacked, or B tensors [..., d_model], one token each
     fc1: Tensor,  # [rank, d_model]
     fc2: Tensor,  # [n_neurons, rank]
     threshold: float,
     act: str,  # between fc1 and fc2: "relu" | "none"
     offset: Optional[Tensor] = None,  # [n_neurons] float32
-) -> list[Tensor]:
-    """B tokens' predicted masks (module docstring) → B tensors [..., n_neurons] bool."""
+) -> Tensor | list[Tensor]:
+    """B tokens' predicted masks (module docstring) → [B, ..., n_neurons] bool (stacked when ``xs`` is, else a
+    list of B)."""
     from picompile.kernels import aligned_empty, as_aligned
 
     rank, d = fc1.shape
     n = fc2.shape[0]
-    b = len(xs)
-    x = as_aligned(torch.cat([t.reshape(1, d) for t in xs]))  # [B, d_model]
+    stacked = isinstance(xs, Tensor)
+    b = int(xs.shape[0]) if stacked else len(xs)
+    x = as_aligned(xs.reshape(b, d) if stacked else torch.cat([t.reshape(1, d) for t in xs]))  # [B, d_model]
     h = aligned_empty((b, rank))  # [B, rank]
-    gemv_kernel(rank, d, fc1.dtype, act).unchecked(x, fc1, None, None, _rows(rank), h)
     scores = aligned_empty((b, n))  # [B, n_neurons]
-    gemv_kernel(n, rank, fc2.dtype, "none").unchecked(h, fc2, None, None, _rows(n), scores)
+    k1, k2 = multi_gemv_kernel(rank, d, fc1.dtype), multi_gemv_kernel(n, rank, fc2.dtype)
+    if k1 is not None and k2 is not None:  # each predictor row read once for all B (kernels/batch_gemv.py)
+        k1.unchecked(x, fc1, _rows(rank), h)
+        if act == "relu":
+            h.relu_()
+        k2.unchecked(h, fc2, _rows(n), scores)
+    else:
+        gemv_kernel(rank, d, fc1.dtype, act).unchecked(x, fc1, None, None, _rows(rank), h)
+        gemv_kernel(n, rank, fc2.dtype, "none").unchecked(h, fc2, None, None, _rows(n), scores)
     if offset is not None:
         scores += offset
     mask = scores > threshold  # [B, n_neurons]
+    if stacked:
+        return mask.reshape(*xs.shape[:-1], n)
     return [mask[i].reshape(*xs[i].shape[:-1], n) for i in range(b)]

@@ -38,6 +38,8 @@ def test_batched_decode_equals_alone(default_artifact: Path, union: bool) -> Non
     gm, shared = batch_graph(session.decode_graph, session.n_past, 3, union)
     n_layers = sum(1 for n in session.decode_graph.graph.nodes if "predict" in str(n.target))
     assert gm.meta["batched_ffns"] == (2 * n_layers if union else 0)  # each layer's FFN and predictor, batched
+    # the glue runs once on the stacked tokens; per sequence only attention, its KV writes, positions (and FFNs)
+    assert gm.meta["batched_nodes"] > 2 * gm.meta["perseq_nodes"] > 0
     assert shared == sum(1 for n in session.decode_graph.graph.nodes if "tvm_linear" in str(n.target)) > 0
     # each slot holds its own cache: a slot's logits after a batch equal a fresh single-slot run's
     rows = runner.decode([(0, alone[0][-1], len(alone[0]) - 1)])

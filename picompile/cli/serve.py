@@ -28,9 +28,10 @@ def add_parser(sub: Any) -> None:
                    help="requests waiting for a slot at most; beyond, 503 (default 64)")
     s.add_argument("--prefill-chunk", type=int_range(1, 1 << 16), default=128,
                    help="prompt tokens prefilled per engine iteration, between decode steps (default 128)")
-    s.add_argument("--batch-ffn", choices=("per-request", "union"), default="per-request",
-                   help="a batched step's sparse FFN and predictors: per request with the one-token kernels "
-                        "(default), or once on the union of the batch's neurons, each request masked by its own")
+    s.add_argument("--batch-ffn", choices=("auto", "per-request", "union"), default="auto",
+                   help="a batched step's sparse FFN and predictors: once on the union of the batch's neurons, each "
+                        "request masked by its own (union), per request with the one-token kernels (per-request), "
+                        "or union for float weights and per request for int8 / int4 (auto, the default)")
     s.add_argument("--shutdown-grace", type=finite_float(0.0, 3600.0), default=5.0,
                    help="seconds requests in flight may run after SIGTERM before they are cancelled (default 5)")
     s.add_argument("--no-verify", action="store_true", help="skip the checksum check")
@@ -66,7 +67,7 @@ def cmd(args: argparse.Namespace) -> int:
     session = picompile.load(args.artifact, verify=not args.no_verify, **load_kwargs(args, to_stderr=True))
     try:
         scheduler = Scheduler(session, args.max_batch, args.max_queue, args.prefill_chunk,
-                              union_ffn=args.batch_ffn == "union")
+                              union_ffn={"auto": None, "union": True, "per-request": False}[args.batch_ffn])
     except RuntimeError as e:
         raise PicompileError(f"cannot serve this artifact: {e}") from None
     name = args.model_name or Path(args.artifact).resolve().name

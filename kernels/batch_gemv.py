@@ -1,0 +1,195 @@
+"""Kind ``gemv``: a few tokens' dot products with selected weight rows, each row read once for all of them (CPU).
+
+``y[t, j] = w[idx[j]] · x[t]`` for t < T (symbolic), j < k (symbolic): ``x`` ``[T, d_model]`` float32, ``w``
+``[n_rows, d_model]`` float32 / float16, ``idx`` int32 ``[k]``, ``y`` ``[T, k]`` float32, written. A linear layer
+for T tokens is ``idx = 0..n_rows-1``; the union FFN's up / gate part and the predictors use it too
+(``runtime/batch_ffn.py``, ``batch_predict.py``).
+
+The ``<key>_batch`` form of kind ``up`` computes each (row, token) dot product by itself: the row comes from L1
+for every token but is widened and multiplied again, so T tokens cost T times one token's compute, and on two
+cores the batched linear layers ran at a third of memory speed at T = 4 (``benchmarks/README.md``, serving).
+Here the tokens are taken in tiles of 4 (then 2, then 1 for the rest): per 32-element chunk of a row, the chunk is
+loaded and widened once and multiplied into the tile's 4 × 32 float32 accumulators. Threads (``parts`` = the
+build's cores) split the selected rows into contiguous ranges; before a row's pass, every cache line of the next
+selected row is prefetched into L2 when it does not follow this one (the union FFN's rows are far apart; a linear
+layer's consecutive rows are left to the hardware prefetchers), the calls kept out of the accumulation loop, where
+LLVM would spill the sums around them.
+
+Every (row, token) sum is formed the same way in every tile — 32 lanes accumulated in chunk order, then a fixed
+halving tree 32 → 16 → … → 1 — so a token's ``y`` does not depend on T or on its place in the batch (what the
+server's exactness relies on, ``runtime/batch.py``).
+"""
+from __future__ import annotations
+
+import tvm
+from tvm.script import tirx as T
+
+from .spec import KernelSpec
+
+LANES = 32  # float32 accumulators per token (one float16 cache line per chunk)
+COLS = 64  # the down kernel's y columns per register tile (4 float32 vectors per token)
+TILES = (4, 2, 1)  # tokens per pass over a row
+
+
+def supports(spec: KernelSpec) -> bool:
+    """Whether ``spec`` (kind ``gemv`` / ``gemv_down``) has these schedules: float weights, d_model a multiple of
+    the lanes (``gemv``) or of the 64-column tile (``gemv_down``)."""
+    return spec.weight_dtype in ("float32", "float16") and spec.d_model % (LANES if spec.kind == "gemv" else COLS) == 0
+
+
+def describe(spec: KernelSpec, parts: int) -> tvm.tirx.PrimFunc:
+    """The PrimFunc ``main(x, w, idx, y)`` for ``spec`` (kind ``gemv``), rows split over ``parts`` tasks."""
+    d, n, wdt = spec.d_model, spec.n_rows, spec.weight_dtype
+    L = LANES
+    C = d // L  # chunks per row
+    per_line = 64 // (2 if wdt == "float16" else 4)  # elements per cache line
+    LINES = d // per_line
+    parts = max(1, parts)
+
+    @T.prim_func
+    def main(x_h: T.handle, w: T.Buffer((n, d), wdt), idx_h: T.handle, y_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        t = T.int32()
+        k = T.int32()
+        x = T.match_buffer(x_h, (t, d), "float32")
+        idx = T.match_buffer(idx_h, (k,), "int32")
+        y = T.match_buffer(y_h, (t, k), "float32")
+        wf = T.decl_buffer((n * d,), wdt, data=w.data)
+        for p in T.parallel(parts):
+            acc = T.alloc_buffer((4, L), "float32")
+            s16 = T.alloc_buffer((4, 16), "float32")
+            s8 = T.alloc_buffer((4, 8), "float32")
+            s4 = T.alloc_buffer((4, 4), "float32")
+            s2 = T.alloc_buffer((4, 2), "float32")
+            for jj in range((p + 1) * k // parts - p * k // parts):
+                j = p * k // parts + jj
+                r = idx[j]
+                nxt = idx[T.min(j + 1, k - 1)]  # the next selected row, prefetched whole unless it follows this one
+                if nxt != r + 1:
+                    for line in range(LINES):
+                        T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0",
+                                                      T.address_of(wf[nxt * d + line * per_line]), 0, 2, 1))
+                for q in range(t // 4 + (t % 4) // 2 + t % 2):
+                    # tile q: 4 tokens from 4q while q < t // 4, then one of 2, then one of 1
+                    n4 = t // 4
+                    t0 = T.if_then_else(q < n4, q * 4, T.if_then_else(q == n4 and t % 4 >= 2, n4 * 4, t - 1))
+                    ts = T.if_then_else(q < n4, 4, T.if_then_else(q == n4 and t % 4 >= 2, 2, 1))
+                    if ts == 4:
+                        for tt in T.unroll(4):
+                            for e in T.vectorized(L):
+                                acc[tt, e] = T.float32(0)
+                        for c in range(C):
+                            for tt in T.unroll(4):
+                                for e in T.vectorized(L):
+                                    acc[tt, e] = acc[tt, e] + T.Cast("float32", w[r, c * L + e]) * x[t0 + tt, c * L + e]
+                        for tt in T.unroll(4):
+                            for e in T.vectorized(16):
+                                s16[tt, e] = acc[tt, e] + acc[tt, e + 16]
+                            for e in T.vectorized(8):
+                                s8[tt, e] = s16[tt, e] + s16[tt, e + 8]
+                            for e in T.vectorized(4):
+                                s4[tt, e] = s8[tt, e] + s8[tt, e + 4]
+                            for e in T.vectorized(2):
+                                s2[tt, e] = s4[tt, e] + s4[tt, e + 2]
+                            y[t0 + tt, j] = s2[tt, 0] + s2[tt, 1]
+                    elif ts == 2:
+                        for tt in T.unroll(2):
+                            for e in T.vectorized(L):
+                                acc[tt, e] = T.float32(0)
+                        for c in range(C):
+                            for tt in T.unroll(2):
+                                for e in T.vectorized(L):
+                                    acc[tt, e] = acc[tt, e] + T.Cast("float32", w[r, c * L + e]) * x[t0 + tt, c * L + e]
+                        for tt in T.unroll(2):
+                            for e in T.vectorized(16):
+                                s16[tt, e] = acc[tt, e] + acc[tt, e + 16]
+                            for e in T.vectorized(8):
+                                s8[tt, e] = s16[tt, e] + s16[tt, e + 8]
+                            for e in T.vectorized(4):
+                                s4[tt, e] = s8[tt, e] + s8[tt, e + 4]
+                            for e in T.vectorized(2):
+                                s2[tt, e] = s4[tt, e] + s4[tt, e + 2]
+                            y[t0 + tt, j] = s2[tt, 0] + s2[tt, 1]
+                    else:
+                        for e in T.vectorized(L):
+                            acc[0, e] = T.float32(0)
+                        for c in range(C):
+                            for e in T.vectorized(L):
+                                acc[0, e] = acc[0, e] + T.Cast("float32", w[r, c * L + e]) * x[t0, c * L + e]
+                        for e in T.vectorized(16):
+                            s16[0, e] = acc[0, e] + acc[0, e + 16]
+                        for e in T.vectorized(8):
+                            s8[0, e] = s16[0, e] + s16[0, e + 8]
+                        for e in T.vectorized(4):
+                            s4[0, e] = s8[0, e] + s8[0, e + 4]
+                        for e in T.vectorized(2):
+                            s2[0, e] = s4[0, e] + s4[0, e + 2]
+                        y[t0, j] = s2[0, 0] + s2[0, 1]
+
+    return main
+
+
+GROUP = 8  # rows per prefetch group of the down kernel
+AHEAD = 8  # rows it prefetches ahead
+
+
+def describe_down(spec: KernelSpec, parts: int) -> tvm.tirx.PrimFunc:
+    """Kind ``down`` for several tokens, ``main(h, w_down_t, idx, y)``: ``y[t] = Σ_j h[t, j] · w_down_t[idx[j]]``
+    (``h`` ``[T, k]``, ``y`` ``[T, d_model]`` written). Threads split y's columns (``parts`` contiguous ranges of
+    64-column tiles); per column tile and tile of 4 (2, 1) tokens the 4 × 64 sums stay in registers while the
+    selected rows' 128-byte pieces stream past, each loaded and widened once for the tokens. The pieces are far
+    apart, so the rows ``AHEAD`` on are prefetched, ``GROUP`` at a time (a prefetch is a call to LLVM: between
+    two, the sums go to memory, so the calls are kept out of each row's step). Each y element adds its rows one
+    after the other in ascending ``j`` whatever T is, so rows whose ``h`` is 0 for a token add exact zeros to
+    its sums (``runtime/batch_ffn.py``)."""
+    d, n, wdt = spec.d_model, spec.n_rows, spec.weight_dtype
+    n_sub = d // COLS
+    parts = max(1, min(parts, n_sub))
+
+    @T.macro(hygienic=False)
+    def tile(TS):
+        for tt in T.unroll(TS):
+            for e in T.vectorized(COLS):
+                acc[tt, e] = T.float32(0)
+        for jg in range(k // GROUP):
+            for g in range(GROUP):
+                ahead = idx[T.min(jg * GROUP + g + AHEAD, k - 1)] * d + c0
+                T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(wf[ahead]), 0, 3, 1))
+                T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(wf[ahead + 32]), 0, 3, 1))
+            for g in T.unroll(GROUP):
+                for tt in T.unroll(TS):
+                    for e in T.vectorized(COLS):
+                        acc[tt, e] = acc[tt, e] + h[t0 + tt, jg * GROUP + g] * T.Cast("float32", w[idx[jg * GROUP + g], c0 + e])
+        for j in range(k - k // GROUP * GROUP):
+            for tt in T.unroll(TS):
+                for e in T.vectorized(COLS):
+                    acc[tt, e] = acc[tt, e] + h[t0 + tt, k // GROUP * GROUP + j] * T.Cast("float32", w[idx[k // GROUP * GROUP + j], c0 + e])
+        for tt in T.unroll(TS):
+            for e in T.vectorized(COLS):
+                y[t0 + tt, c0 + e] = acc[tt, e]
+
+    @T.prim_func
+    def main(h_h: T.handle, w: T.Buffer((n, d), wdt), idx_h: T.handle, y_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        t = T.int32()
+        k = T.int32()
+        h = T.match_buffer(h_h, (t, k), "float32")
+        idx = T.match_buffer(idx_h, (k,), "int32")
+        y = T.match_buffer(y_h, (t, d), "float32")
+        wf = T.decl_buffer((n * d,), wdt, data=w.data)
+        for p in T.parallel(parts):
+            acc = T.alloc_buffer((4, COLS), "float32")
+            for sc in range((p + 1) * n_sub // parts - p * n_sub // parts):
+                c0 = (p * n_sub // parts + sc) * COLS
+                for q in range(t // 4 + (t % 4) // 2 + t % 2):
+                    n4 = t // 4
+                    t0 = T.if_then_else(q < n4, q * 4, T.if_then_else(q == n4 and t % 4 >= 2, n4 * 4, t - 1))
+                    ts = T.if_then_else(q < n4, 4, T.if_then_else(q == n4 and t % 4 >= 2, 2, 1))
+                    if ts == 4:
+                        tile(4)
+                    elif ts == 2:
+                        tile(2)
+                    else:
+                        tile(1)
+
+    return main
