@@ -214,3 +214,61 @@ def test_widening_interpreter_releases_float32_mapped_weights(tmp_path: Path) ->
     out = WideningInterpreter(gm).run(x)
     torch.testing.assert_close(out, (x @ w.t()).relu())
     assert _resident_kib(mapped.data_ptr()) < 64
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_split_ffn_quantized_rows_are_convert_weights_own(name: str, checkpoints: dict, tmp_path: Path) -> None:
+    """A quantized build's FFN rows are made as quants + scales by split-ffn (never the whole FFN in float32 beside
+    them: 2.8 GiB of a float32 1B source), and the result is what convert-weights made of split-ffn's float32
+    rows: the same buffers bit for bit, the same graph, the same manifest record."""
+    import dataclasses
+
+    from picompile.ir.graph import get_tensor
+    from picompile.ir.schema import args_of, node_op
+    from picompile.testing import context_for, run_passes
+
+    def prefix(weight_dtype: str) -> tuple:
+        torch.manual_seed(0)
+        ctx = context_for(checkpoints[("llama", "relu")], tmp_path / weight_dtype, calibration_tokens=256,
+                          predictor="oracle", weight_dtype=weight_dtype)
+        return ctx, run_passes(ctx, ["capture", "canonicalize-ffn", "fold-kv-repeat", "profile-activations",
+                                     "train-predictors", "place-neurons", "insert-predictors", "split-ffn"])
+
+    (ctx, new), (as_f32, old) = prefix(name), prefix("float32")
+    rows = [n for n in new.graph.nodes if node_op(n) == "sparse_ffn"]
+    assert rows and all(get_tensor(new, args_of(n)["w_up"]).dtype in (torch.int8, torch.uint8) for n in rows)
+    assert all(get_tensor(old, args_of(n)["w_up"]).dtype == torch.float32 for n in old.graph.nodes
+               if node_op(n) == "sparse_ffn")
+    old = run_passes(dataclasses.replace(as_f32, config=ctx.config), ["convert-weights"], old)
+    new = run_passes(ctx, ["convert-weights"], new)
+    assert new.code == old.code
+    for tensors in ("named_buffers", "named_parameters"):
+        a, b = (dict(getattr(g, tensors)(remove_duplicate=False)) for g in (new, old))
+        assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+    assert ctx.manifest_extra["convert_weights"] == as_f32.manifest_extra["convert_weights"]
+
+
+def test_quantize_rows_in_chunks_is_quantize(monkeypatch: pytest.MonkeyPatch) -> None:
+    from picompile.ir import patterns
+    from picompile.kernels.qformat import QFormat, quantize
+
+    w = torch.randn(37, 256, generator=torch.Generator().manual_seed(1)).bfloat16()  # [rows, cols]
+    monkeypatch.setattr(patterns, "QUANT_CHUNK_ELEMENTS", 5 * 256)  # 5 rows a chunk, the last one short
+    for name in ("int8", "int4"):
+        fmt = QFormat(name, 32)
+        got, want = patterns.quantize_rows(w, fmt), quantize(w, fmt)
+        assert all(torch.equal(g, x) and g.dtype == x.dtype for g, x in zip(got, want))
+
+
+def test_loading_a_float32_checkpoint_leaves_its_pages_out_of_memory(tmp_path: Path) -> None:
+    """The load's one tiny forward (the KV shape) reads every weight; each module's mapped pages are released after
+    it ran, so a float32 source is not resident from the load to capture (a 1B build held all of its 4.1 GiB)."""
+    from picompile.frontend import load_model
+
+    cfg = llama_config(256, 1024, 2, 4, 4, 8192, max_pos=64)
+    write_random_checkpoint(tmp_path / "ck", cfg, dtype=torch.float32)
+    size_kib = sum(f.stat().st_size for f in (tmp_path / "ck").glob("*.safetensors")) // 1024  # ~22 MiB
+    model, _ = load_model(str(tmp_path / "ck"))
+    w = model.lm_head.weight  # [vocab, d_model] float32, mapped
+    assert w.dtype == torch.float32 and _resident_kib(w.data_ptr()) < size_kib // 10
+    assert model(input_ids=torch.tensor([[1, 2]])).logits.shape == (1, 2, 8192)  # the pages are read back
