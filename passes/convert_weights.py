@@ -2,7 +2,8 @@
 oracle_mask → --weight-dtype; predict's fc1/fc2 → --predictor-dtype. float16: W' = W.half(). int8 / int4:
 W' the block quants and s their float16 scales (``picompile.kernels.qformat``; blocks of --quant-block along each
 stored row: a linear's input dimension, the neuron-major FFN rows' d_model, ffn's down projection's neurons);
-a weight whose rows are not whole blocks is stored float16 instead (``convert_weights.fallback`` names it).
+a weight whose rows are not whole blocks is stored float16 instead (``convert_weights.fallback`` names it);
+weights already quantized (split-ffn makes the FFN rows so) are counted, not quantized again.
 Activations, norms, biases (b_up too when quantized; float16 builds narrow it with its rows), embeddings,
 predictor offsets and the KV cache stay float32. All float32 leaves the graph as it is.
 """
@@ -17,10 +18,10 @@ from picompile.context import BuildContext
 from picompile.errors import PassError
 from picompile.formats.tensorfile import release_pages
 from picompile.ir.graph import drop_unused_weights, get_tensor
-from picompile.ir.patterns import QUANT_WEIGHT_DTYPES, SCALE_ARGS, add_buffer
+from picompile.ir.patterns import QUANT_WEIGHT_DTYPES, QUANTIZED_FROM, SCALE_ARGS, add_buffer, add_quantized
 from picompile.ir.patterns import WEIGHT_DTYPES as DTYPES
 from picompile.ir.schema import args_of, call_args, node_op, set_args
-from picompile.kernels.qformat import QFormat, quantize
+from picompile.kernels.qformat import QFormat
 from picompile.passes.registry import register_pass
 
 aten = torch.ops.aten
@@ -85,14 +86,18 @@ class _Quantizer:
                 self.kept.append({"tensor": str(arg.target), "shape": list(t.shape),
                                   "reason": f"rows of {t.shape[1]} are not whole {self.fmt.block}-element blocks"})
                 self.done[arg] = (self.fallback(arg), None)  # type: ignore[assignment]
-            else:
-                q, s = quantize(t.float(), self.fmt)  # [rows, cols or cols/2], [rows, cols/block]
-                base = f"{str(arg.target).replace('.', '_')}_{self.fmt.name}"
-                self.done[arg] = (add_buffer(self.gm, f"{base}_q", q, arg), add_buffer(self.gm, f"{base}_s", s, arg))
-                self.count += 1
-                self.bytes_before += t.numel() * t.element_size()
-                self.bytes_after += q.numel() * q.element_size() + s.numel() * s.element_size()
+            else:  # [rows, cols or cols/2], [rows, cols/block]; a few rows at a time
+                self.done[arg] = add_quantized(self.gm, str(arg.target).replace(".", "_"), t, self.fmt, arg)
+                self.counted(*self.done[arg])
+                release_pages([t])  # a mapped checkpoint tensor's pages leave this process's memory (no-op otherwise)
         return self.done[arg]
+
+    def counted(self, q_node: fx.Node, s_node: fx.Node) -> None:
+        """Count one quantized weight (its quants node's meta: the bytes it was made from)."""
+        q, s = get_tensor(self.gm, q_node), get_tensor(self.gm, s_node)
+        self.count += 1
+        self.bytes_before += int(q_node.meta.pop(QUANTIZED_FROM, 0))
+        self.bytes_after += q.numel() * q.element_size() + s.numel() * s.element_size()
 
 
 def _dtype(name: str, flag: str) -> torch.dtype:
@@ -132,6 +137,10 @@ def _quantize_args(node: fx.Node, op: str, quant: _Quantizer) -> None:
     args = args_of(node)
     values: dict[str, object] = {}
     for w, s in SCALE_ARGS[op].items():
+        if args[s] is not None:  # quantized already (split-ffn's rows)
+            if isinstance(args[w], fx.Node) and QUANTIZED_FROM in args[w].meta:
+                quant.counted(args[w], args[s])
+            continue
         values[w], values[s] = quant(args[w])
     set_args(node, **values)
 

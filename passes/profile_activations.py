@@ -61,7 +61,7 @@ def profile_activations(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule
     ctx.calibration = {}
     for layer in ctx.ffn_layers:
         node = nodes[layer.index]
-        x = torch.cat(recorder.inputs[layer.index])  # [N, d_model]
+        x = torch.cat(recorder.inputs.pop(layer.index))  # [N, d_model]; the chunks go (else held twice)
         with torch.no_grad():
             a = float32_decider(gm, node, cfg.act_criterion).score(x)  # [N, n_neurons]
         threshold = 0.0 if layer.act in RELU_FAMILY else float(torch.quantile(a.flatten()[: 1 << 24].float(), cfg.act_sparsity))

@@ -5,9 +5,11 @@ down bias is added once, by the merge.
 Each part's rows are contiguous and neuron-major (down projection transposed); the mask producer's
 rows are permuted into the same hot-then-cold order so the mask is split by slicing.
 
-With --weight-dtype float16 the parts' rows are made in float16 here (named as convert-weights names its
-copies, which then finds them done: the same artifact), so a build never holds the FFN rows twice beside the
-converted ones; each layer's original rows are dropped (a mapped checkpoint's pages released) once split.
+With --weight-dtype float16 the parts' rows are made in float16 here, with int8 / int4 as their quants and
+scales (``ir.patterns.add_quantized``; rows that are not whole blocks in float16), named as convert-weights names
+its copies, which then finds them done: the same artifact. So a build never holds the FFN rows in float32 (a
+float32 1B source: 2.8 GiB) beside the converted ones; each layer's original rows are dropped (a mapped
+checkpoint's pages released) once split.
 The calibration tokens' FFN inputs and masks are dropped first (profiles and thresholds stay): no pass after
 this one reads them, and the build's peak is here and in convert-weights.
 """
@@ -21,8 +23,9 @@ from picompile.errors import PassError
 from picompile.formats.tensorfile import release_pages
 from picompile.ir.graph import drop_unused_weights, get_tensor
 from picompile.ir.ops import is_picompile_op
-from picompile.ir.patterns import add_buffer, ffn_nodes
+from picompile.ir.patterns import QUANT_WEIGHT_DTYPES, SCALE_ARGS, add_buffer, add_quantized, ffn_nodes
 from picompile.ir.schema import args_of, call_args, position, set_args
+from picompile.kernels.qformat import QFormat
 from picompile.passes.registry import register_pass
 
 aten = torch.ops.aten
@@ -58,6 +61,9 @@ def split_ffn(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
     nodes = ffn_nodes(gm)
     g = gm.graph
     narrow = NARROWED.get(ctx.config.weight_dtype)  # rows made in the artifact's dtype (convert-weights' copies)
+    fmt = _quant_format(ctx)  # or quantized (convert-weights' quants and scales)
+    if fmt is not None:
+        narrow = torch.float16  # what a weight whose rows are not whole blocks is stored in
     for layer, hot, cold in zip(ctx.ffn_layers, ctx.placement.hot, ctx.placement.cold):
         node = nodes[layer.index]
         a = args_of(node)
@@ -71,20 +77,29 @@ def split_ffn(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
         originals = [t for t in (up, down_t, *(get_tensor(gm, n) for n in (b_up, w_gate, b_gate) if n is not None))]
         parts: list[fx.Node] = []
         for part, idx, device, lo, hi in (("hot", hot_t, "gpu", 0, n_hot), ("cold", cold_t, "cpu", n_hot, None)):
-            def rows(t: torch.Tensor | None, role: str) -> fx.Node | None:
+            def rows(t: torch.Tensor | None, role: str, quantized: bool = False) -> fx.Node | None:
                 if t is None:
                     return None
                 name = f"ffn{layer.index}_{part}_{role}"
-                if narrow is not None and t.is_floating_point() and t.dtype != narrow:
+                if quantized and fmt is not None and t.is_floating_point() and t.shape[1] % fmt.block == 0:
+                    q, s = add_quantized(gm, name, t[idx], fmt, node)
+                    scales[role] = s
+                    return q
+                if narrow is not None and t.is_floating_point() and t.dtype != narrow and (
+                        quantized or fmt is None):  # a quantized build's biases stay as they are
                     return add_buffer(gm, f"{name}_{str(narrow).removeprefix('torch.')}", t[idx].to(narrow), node)
                 return add_buffer(gm, name, t[idx], node)
 
+            scales: dict[str, fx.Node] = {}
             weights = dict(
-                w_up=rows(up, "up"),
+                w_up=rows(up, "up", True),
                 b_up=rows(None if b_up is None else get_tensor(gm, b_up), "up_bias"),
-                w_gate=rows(None if w_gate is None else get_tensor(gm, w_gate), "gate"),
-                w_down_t=rows(down_t, "down_t"),
+                w_gate=rows(None if w_gate is None else get_tensor(gm, w_gate), "gate", True),
+                w_down_t=rows(down_t, "down_t", True),
             )
+            for w, s_name in SCALE_ARGS["sparse_ffn"].items():
+                if w.removeprefix("w_") in scales:
+                    weights[s_name] = scales[w.removeprefix("w_")]
             if b_gate is not None:  # a trailing argument: graphs without it keep their calls
                 weights["b_gate"] = rows(get_tensor(gm, b_gate), "gate_bias")
             with g.inserting_before(node):
@@ -104,4 +119,14 @@ def split_ffn(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
     drop_unused_weights(gm)  # e.g. mask rows replaced by permuted copies
     gm.recompile()
     return gm
+
+
+def _quant_format(ctx: BuildContext) -> QFormat | None:
+    """The block format of a quantized --weight-dtype (None otherwise, or when convert-weights will refuse it)."""
+    if ctx.config.weight_dtype not in QUANT_WEIGHT_DTYPES:
+        return None
+    try:
+        return QFormat(ctx.config.weight_dtype, ctx.config.quant_block)
+    except ValueError:
+        return None
 

@@ -205,10 +205,23 @@ def current_rss_bytes() -> int:
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident memory so far (bytes; Linux reports KiB, macOS bytes)."""
+    """This process's own peak resident memory so far (bytes).
+
+    Linux: ``VmHWM`` of /proc/self/status, the high-water mark of this process's address space. Not
+    ``ru_maxrss``: the kernel keeps that across exec (the largest of the process's and the address space it
+    replaced), so a build started by ``subprocess`` from a large process (a pytest run, a benchmark driver)
+    reported its parent's peak (vfork/posix_spawn hand the child the parent's address space until exec).
+    Elsewhere ``ru_maxrss`` (macOS reports bytes, others KiB)."""
     import resource
     import sys
 
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
     return peak if sys.platform == "darwin" else peak * 1024
 

@@ -11,9 +11,22 @@ from picompile.frontend.base import ModelInfo
 
 
 def _kv_shape(model: torch.nn.Module, n_layers: int) -> tuple[int, int]:
-    """(n_kv_heads, head_dim) read off one tiny forward, so every family is handled alike."""
-    with torch.no_grad():
-        out = model(input_ids=torch.zeros(1, 2, dtype=torch.long), use_cache=True)
+    """(n_kv_heads, head_dim) read off one tiny forward, so every family is handled alike. The forward reads
+    every weight: a mapped checkpoint's pages are released after each module that read them (else a float32 1B
+    build held its whole 4.1 GiB source from here to capture)."""
+    from picompile.formats.tensorfile import release_pages
+
+    def release(module: torch.nn.Module, _args: Any, _out: Any) -> None:
+        release_pages([*module.parameters(recurse=False), *module.buffers(recurse=False)])
+
+    hooks = [m.register_forward_hook(release) for m in model.modules()
+             if next(m.parameters(recurse=False), None) is not None]
+    try:
+        with torch.no_grad():
+            out = model(input_ids=torch.zeros(1, 2, dtype=torch.long), use_cache=True)
+    finally:
+        for h in hooks:
+            h.remove()
     keys = out.cache.layers[0].keys  # [1, n_kv_heads, 2, head_dim]
     if len(out.cache.layers) != n_layers:
         raise ModelLoadError(f"model reports {n_layers} layers but its KV cache has {len(out.cache.layers)}")

@@ -10,6 +10,7 @@ import torch
 from torch import fx
 
 from picompile.ir.graph import get_tensor
+from picompile.kernels.qformat import QFormat, quantize
 from picompile.ir.ops import activation_score, is_picompile_op, lin
 from picompile.ir.schema import arg, args_of, node_op
 
@@ -124,3 +125,35 @@ def add_buffer(gm: fx.GraphModule, name: str, tensor: torch.Tensor, before: fx.N
     gm.register_buffer(name, tensor.detach().contiguous())
     with gm.graph.inserting_before(before):
         return gm.graph.get_attr(name)
+
+
+QUANT_CHUNK_ELEMENTS: int = 1 << 22  # elements of a weight quantized at a time (16 MiB in float32)
+QUANTIZED_FROM: str = "quantized_from_bytes"  # a quants node's meta: bytes of the weight it was made from
+
+
+def quantize_rows(w: torch.Tensor, fmt: QFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """``qformat.quantize(w, fmt)`` of ``w`` [rows, cols] a few rows at a time: the same quants and scales (a
+    block lies within a row), with one chunk's float32 temporaries (~4x its size) instead of the whole weight's
+    (an lm_head [32000, 2048] quantized at once peaked 1 GiB above its own size at int8)."""
+    rows, cols = w.shape
+    step = max(1, QUANT_CHUNK_ELEMENTS // max(cols, 1))
+    if rows <= step:
+        return quantize(w, fmt)
+    q0, s0 = quantize(w[:step], fmt)
+    q = q0.new_empty((rows, q0.shape[1]))  # [rows, cols or cols / 2]
+    s = s0.new_empty((rows, s0.shape[1]))  # [rows, cols / block]
+    q[:step], s[:step] = q0, s0
+    for lo in range(step, rows, step):
+        q[lo:lo + step], s[lo:lo + step] = quantize(w[lo:lo + step], fmt)
+    return q, s
+
+
+def add_quantized(gm: fx.GraphModule, name: str, w: torch.Tensor, fmt: QFormat,
+                  before: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """``w`` [rows, cols] quantized (:func:`quantize_rows`) as the buffers ``{name}_{fmt.name}_q`` and ``_s``
+    (convert-weights' names for a weight ``name``); the quants node's meta records ``w``'s bytes."""
+    q, s = quantize_rows(w, fmt)
+    base = f"{name}_{fmt.name}"
+    q_node, s_node = add_buffer(gm, f"{base}_q", q, before), add_buffer(gm, f"{base}_s", s, before)
+    q_node.meta[QUANTIZED_FROM] = w.numel() * w.element_size()
+    return q_node, s_node
