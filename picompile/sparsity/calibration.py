@@ -105,10 +105,13 @@ def sample_documents(model: torch.nn.Module, n_tokens: int, seed: int, doc_token
     rounds = 0
     while len(ids) < n_tokens:
         torch.manual_seed(seed + rounds)
-        start = torch.full((batch, 1), bos, dtype=torch.long)
+        need = n_tokens - len(ids)
+        rows = max(1, min(batch, -(-need // (doc_tokens + 1))))  # no more documents than the ids still needed
+        start = torch.full((rows, 1), bos, dtype=torch.long)
         with torch.inference_mode():
             out = model.generate(start, attention_mask=torch.ones_like(start), do_sample=True, temperature=1.0,
-                                 top_k=0, top_p=1.0, max_new_tokens=doc_tokens, pad_token_id=next(iter(eos_ids), bos))
+                                 top_k=0, top_p=1.0, max_new_tokens=max(1, min(doc_tokens, need - 1)),
+                                 pad_token_id=next(iter(eos_ids), bos))
         for row in out.tolist():
             doc = row[1:]
             end = next((i for i, t in enumerate(doc) if t in eos_ids), None)
@@ -121,25 +124,25 @@ def sampled_calibration(model: torch.nn.Module, config: dict[str, Any], vocab_si
                         cache_dir: Path) -> tuple[torch.Tensor, dict[str, Any]]:
     """Token ids [n_tokens] sampled from the model itself (:func:`sample_documents`), cached as
     ``cache_dir/<fingerprint>-<n_tokens>-<seed>.json`` so that a second build of the same model reuses them; a
-    description {source, kind "sampled", sha256, n_tokens, model_fingerprint, cached}."""
+    description {source, kind "sampled", sha256, n_tokens, seed, model_fingerprint} (the same whether sampled now or
+    read from the cache: the artifact does not depend on it)."""
     fp = model_fingerprint(model, config)
     path = Path(cache_dir) / f"{fp[:32]}-{n_tokens}-{seed}.json"
-    cached = path.is_file()
     ids: list[int] | None = None
-    if cached:
+    if path.is_file():
         try:
             ids = [int(t) for t in json.loads(path.read_text())]
         except (OSError, ValueError, TypeError):
-            ids, cached = None, False  # a damaged cache entry is resampled
+            ids = None  # a damaged cache entry is resampled
     if ids is None or len(ids) != n_tokens or not all(0 <= t < vocab_size for t in ids):
-        ids, cached = sample_documents(model, n_tokens, seed), False
+        ids = sample_documents(model, n_tokens, seed)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".partial")
         tmp.write_text(json.dumps(ids))
         tmp.replace(path)
     return torch.tensor(ids, dtype=torch.long), {
         "source": str(path), "kind": "sampled", "sha256": _sha256(path.read_bytes()), "n_tokens": len(ids),
-        "seed": seed, "model_fingerprint": fp, "cached": cached}
+        "seed": seed, "model_fingerprint": fp}
 
 
 def sample_by_default(config: Any) -> bool:
