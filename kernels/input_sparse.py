@@ -30,6 +30,7 @@ ROWS = 4  # active rows per step (one y load/store per four FMAs)
 AHEAD = 1  # prefetch distance, in steps of ROWS rows
 _LOCALITY = 2  # llvm.prefetch locality 2 = prefetcht1 (into L2), as cpu_rewrite
 _LINE_BYTES = 64
+ROW_SPLIT_MAX_BYTES = 0  # rows (d_model · itemsize) at most this long: the tasks split the rows, not y
 
 
 def step_elems(spec: KernelSpec) -> int:
@@ -41,8 +42,17 @@ def step_elems(spec: KernelSpec) -> int:
     return 1
 
 
+def row_split(spec: KernelSpec) -> bool:
+    """Whether ``spec``'s tasks split the active rows (:func:`describe_rows`) rather than ``y``: rows of at most
+    ROW_SPLIT_MAX_BYTES (0: never)."""
+    item = 2 if spec.weight_dtype == "float16" else 4
+    return spec.d_model * item <= ROW_SPLIT_MAX_BYTES
+
+
 def describe(spec: KernelSpec, parts: int) -> tvm.tirx.PrimFunc:
     """The PrimFunc ``main(x, mask, w_t, y)`` for ``spec`` (kind ``input_sparse``), split over ``parts`` tasks."""
+    if row_split(spec):
+        return describe_rows(spec, parts)
     d_in, d_out, wdt = spec.n_rows, spec.d_model, spec.weight_dtype
     L = step_elems(spec)
     n_steps = d_out // L  # inner iterations over the whole y, shared out to the parts

@@ -32,15 +32,25 @@ def _decode(gm: torch.fx.GraphModule, ctx, ids: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind,d_in,d_out", [("input_sparse", 96, 80), ("input_sparse", 70, 576),
-                                              ("input_sparse", 33, 24), ("down", 96, 80)])
+                                              ("input_sparse", 33, 24), ("input_sparse_rows", 70, 576),
+                                              ("input_sparse_rows", 33, 24), ("down", 96, 80)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_kernel_equals_torch_reference(dtype: torch.dtype, kind: str, d_in: int, d_out: int, tmp_path: Path) -> None:
-    """The one-token kernel (``input_sparse``; ``down``: artifacts built before it) against (x · mask) Wᵀ + b, at
-    shapes whose row lengths are whole cache lines, not (24 float32 = 1.5 lines), and whose active counts are not
-    multiples of the kernel's four rows per step; every channel active (mask None) and none."""
+def test_kernel_equals_torch_reference(dtype: torch.dtype, kind: str, d_in: int, d_out: int, tmp_path: Path,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-token kernel (``input_sparse``, its tasks splitting y or, ``_rows``, the active rows; ``down``:
+    artifacts built before it) against (x · mask) Wᵀ + b, at shapes whose row lengths are whole cache lines, not
+    (24 float32 = 1.5 lines), and whose active counts are not multiples of the kernel's four rows per step; every
+    channel active (mask None) and none."""
     from picompile.kernels import KernelSpec, as_aligned, build_kernel
+    from picompile.kernels import input_sparse as isk
     from picompile.kernels.loader import load_kernel
     from picompile.kernels.table import add_kernel
+
+    if kind == "input_sparse_rows":  # (the kernel cache is this test's own tmp_path)
+        monkeypatch.setattr(isk, "ROW_SPLIT_MAX_BYTES", 1 << 30)
+        kind = "input_sparse"
+    else:
+        monkeypatch.setattr(isk, "ROW_SPLIT_MAX_BYTES", 0)
 
     spec = KernelSpec(kind=kind, act="none", d_model=d_out, n_rows=d_in, weight_dtype=str(dtype).removeprefix("torch."),
                       has_bias=False, target="llvm")
