@@ -275,8 +275,12 @@ def _allocate(cal: _Calibrator, ctx: BuildContext) -> tuple[isp.Allocation, dict
     if cfg.input_allocation == "uniform":
         path = [isp.uniform(len(groups), sizes, s) for s in [i / 20 for i in range(1, 19)]]
     else:
-        bar = iter(ctx.track(range(len(groups)), "measuring input-sparsity loss curves"))
-        curves = cal.curves(lambda: next(bar, None))
+        key, names = _curves_key(ctx), [f"{g.layer}.{g.name}" for g in groups]
+        curves = isp.cached_curves(cfg.calibration_cache, key, names)  # a build of this model and calibration before
+        if curves is None:
+            bar = iter(ctx.track(range(len(groups)), "measuring input-sparsity loss curves"))
+            curves = cal.curves(lambda: next(bar, None))
+            isp.store_curves(cfg.calibration_cache, key, names, curves)
         path = isp.greedy_path(curves, sizes)
         info["curves"] = {f"{g.layer}.{g.name}": [round(v, 6) for v in c] for g, c in zip(groups, curves)}
     if budget is None:
@@ -287,6 +291,18 @@ def _allocate(cal: _Calibrator, ctx: BuildContext) -> tuple[isp.Allocation, dict
     found, evals = isp.within_budget(path, lambda a: cal.nll(a.sparsity) <= limit)
     info.update(budget_evaluations=evals, budget_nll_limit=limit)
     return (found or isp.uniform(len(groups), sizes, 0.0)), info
+
+
+def _curves_key(ctx: BuildContext) -> str:
+    """What the loss curves depend on: the model, the calibration ids, and the options shaping the graph and the
+    measurement (a build at another --act-sparsity or --accuracy-budget reuses them)."""
+    from picompile.sparsity.calibration import model_fingerprint
+
+    cfg = ctx.config
+    corpus = ctx.manifest_extra.get("profile", {}).get("corpus", {})
+    return isp.curves_key(model_fingerprint(ctx.model, ctx.info.config), corpus.get("sha256"), corpus.get("n_tokens"),
+                          cfg.input_sparsity, cfg.input_criterion, cfg.input_loss_tokens, ctx.max_seq_len,
+                          cfg.weight_dtype, cfg.seed, "lower-tvm" in ctx.pipeline)
 
 
 def _build_kernel(ctx: BuildContext, w: torch.Tensor, use: str, kind: str = "input_sparse") -> str:

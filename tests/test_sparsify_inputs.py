@@ -283,3 +283,14 @@ def test_calibration_is_sampled_cached_and_keyed_by_model(checkpoints: dict, tmp
     assert calib(silu, "builtin")[1]["kind"] != "sampled"
     (tmp_path / "ids.json").write_text("[" + ",".join(["5"] * 40) + "]")
     assert calib(silu, "auto", tmp_path / "ids.json")[1]["kind"] == "tokens" and len(sampled) == 2
+
+
+def test_loss_curves_are_cached_for_the_same_groups(tmp_path: Path) -> None:
+    """A second build of the same model and calibration reuses the measured curves (other options: another key)."""
+    names, curves = ["0.qkv", "0.o"], [[0.1 * j for j in range(9)], [0.2 * j for j in range(9)]]
+    key = isp.curves_key("fp", "sha", 4096, "all", "magnitude", 512, 512, "float32", 0, False)
+    assert isp.cached_curves(tmp_path, key, names) is None
+    isp.store_curves(tmp_path, key, names, curves)
+    assert isp.cached_curves(tmp_path, key, names) == curves
+    assert isp.cached_curves(tmp_path, key, ["0.qkv", "1.o"]) is None  # other groups: not these curves
+    assert isp.curves_key("fp", "sha", 4096, "all", "weighted", 512, 512, "float32", 0, False) != key

@@ -13,8 +13,11 @@ bisects along it on the real (all groups together) loss.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -168,3 +171,35 @@ def within_budget(path: Sequence[Allocation], within: Callable[[Allocation], boo
         else:
             hi = mid - 1
     return (path[lo] if lo >= 0 else None), evals
+
+
+CURVES_VERSION = 1  # bump when the measurement changes: older cached curves are then not used
+
+
+def curves_key(*parts: Any) -> str:
+    """A cache key for loss curves over what they depend on (model fingerprint, calibration hash, options)."""
+    return hashlib.sha256(json.dumps([CURVES_VERSION, LEVELS, ANCHOR, *parts], default=str).encode()).hexdigest()[:32]
+
+
+def cached_curves(cache_dir: Path, key: str, names: Sequence[str]) -> list[list[float]] | None:
+    """The loss curves stored under ``key`` for exactly these groups (``layer.name`` in order), else None."""
+    try:
+        data = json.loads((Path(cache_dir) / "curves" / f"{key}.json").read_text())
+        curves = [[float(v) for v in c] for c in data["curves"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if data.get("groups") != list(names) or any(len(c) != len(LEVELS) for c in curves):
+        return None
+    return curves
+
+
+def store_curves(cache_dir: Path, key: str, names: Sequence[str], curves: Sequence[Sequence[float]]) -> None:
+    """Keep measured loss curves for a later build of the same model and calibration (best effort)."""
+    path = Path(cache_dir) / "curves" / f"{key}.json"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".partial")
+        tmp.write_text(json.dumps({"groups": list(names), "curves": [list(map(float, c)) for c in curves]}))
+        tmp.replace(path)
+    except OSError:
+        pass
