@@ -4,7 +4,9 @@ quantiles; the skipped input channels skip their rows of the weight stored input
 Thresholds are allocated against ``--act-sparsity`` (fraction of these projections' weight bytes skipped per token)
 or ``--accuracy-budget`` (calibration perplexity), greedily by measured loss per byte (``sparsity.input_sparsity``).
 After lower-tvm each input-sparse linear runs the TVM kernel of kind ``input_sparse`` for one token (it compacts the
-mask and reads only the active rows, ``kernels/input_sparse.py``).
+mask and reads only the active rows, ``kernels/input_sparse.py``); one the allocation leaves at 0 % goes back to the
+dense GEMV (tvm_linear). ``--input-criterion weighted`` scores channel i by |x_i|·‖W[:, i]‖₂ (WINA), stored as a
+per-channel threshold vector t / ‖W[:, i]‖. The greedy's loss curves are cached per model, calibration and options.
 """
 from __future__ import annotations
 
