@@ -3,6 +3,9 @@
     python examples/sample_calibration.py ART_OR_HF_DIR OUT.json --tokens 4096 --seed 0 [--batch 16]
     picompile build MODEL --calibration OUT.json …
 
+A build with input sparsity and no ``--calibration`` samples the same way itself (``picompile.sparsity.calibration``,
+cached per model under the cache dir); this script writes such a file for other builds or other tools.
+
 Samples documents from BOS at temperature 1, so the text profiled and the text evaluated on stay disjoint: the
 stories260K figures in benchmarks/README.md are measured on tinystories_sample.txt with a calibration file made so.
 From a Hugging Face checkpoint directory (``config.json`` + safetensors, e.g. SmolLM2's) ``--batch`` documents are
@@ -53,23 +56,11 @@ def sample_ids_hf(model_dir: Path, n_tokens: int, seed: int, doc_tokens: int, ba
         bos = AutoTokenizer.from_pretrained(model_dir).bos_token_id
     if bos is None:
         raise SystemExit(f"{model_dir} names no BOS token to start documents from")
-    eos = model.config.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
-    ids: list[int] = []
-    rounds = 0
-    while len(ids) < n_tokens:
-        torch.manual_seed(seed + rounds)
-        start = torch.full((batch, 1), bos, dtype=torch.long)
-        with torch.inference_mode():
-            out = model.generate(start, attention_mask=torch.ones_like(start), do_sample=True, temperature=1.0,
-                                 top_k=0, top_p=1.0, max_new_tokens=doc_tokens,
-                                 pad_token_id=next(iter(eos_ids), bos))
-        for row in out.tolist():
-            doc = row[1:]
-            end = next((i for i, t in enumerate(doc) if t in eos_ids), None)
-            ids += [bos, *(doc if end is None else doc[: end + 1])]
-        rounds += 1
-    return ids[:n_tokens]
+    if model.config.bos_token_id is None:
+        model.config.bos_token_id = bos
+    from picompile.sparsity.calibration import sample_documents
+
+    return sample_documents(model, n_tokens, seed, doc_tokens, batch)  # what a build samples by default, too
 
 
 def main(argv: list[str] | None = None) -> int:

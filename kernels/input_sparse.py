@@ -30,6 +30,7 @@ ROWS = 4  # active rows per step (one y load/store per four FMAs)
 AHEAD = 1  # prefetch distance, in steps of ROWS rows
 _LOCALITY = 2  # llvm.prefetch locality 2 = prefetcht1 (into L2), as cpu_rewrite
 _LINE_BYTES = 64
+ROW_SPLIT_MAX_BYTES = 0  # rows (d_model · itemsize) at most this long: the tasks split the rows, not y
 
 
 def step_elems(spec: KernelSpec) -> int:
@@ -41,8 +42,17 @@ def step_elems(spec: KernelSpec) -> int:
     return 1
 
 
+def row_split(spec: KernelSpec) -> bool:
+    """Whether ``spec``'s tasks split the active rows (:func:`describe_rows`) rather than ``y``: rows of at most
+    ROW_SPLIT_MAX_BYTES (0: never)."""
+    item = 2 if spec.weight_dtype == "float16" else 4
+    return spec.d_model * item <= ROW_SPLIT_MAX_BYTES
+
+
 def describe(spec: KernelSpec, parts: int) -> tvm.tirx.PrimFunc:
     """The PrimFunc ``main(x, mask, w_t, y)`` for ``spec`` (kind ``input_sparse``), split over ``parts`` tasks."""
+    if row_split(spec):
+        return describe_rows(spec, parts)
     d_in, d_out, wdt = spec.n_rows, spec.d_model, spec.weight_dtype
     L = step_elems(spec)
     n_steps = d_out // L  # inner iterations over the whole y, shared out to the parts
@@ -97,5 +107,75 @@ def describe(spec: KernelSpec, parts: int) -> tvm.tirx.PrimFunc:
                                              + h1 * T.Cast("float32", w[r1 + v * L + e])
                                              + h2 * T.Cast("float32", w[r2 + v * L + e])
                                              + h3 * T.Cast("float32", w[r3 + v * L + e]))
+
+    return main
+
+
+def describe_rows(spec: KernelSpec, parts: int, ahead: int = AHEAD) -> tvm.tirx.PrimFunc:
+    """As :func:`describe`, the tasks splitting the *active rows* instead of ``y``: each task reads whole rows (one
+    contiguous ``d_model·itemsize`` run each, not a ``1/parts`` segment of it) into a private float32 ``y`` (in L1
+    up to d_model 8192), then a second parallel loop sums the ``parts`` partial ``y``. For short rows (d_model 2048
+    float16: 2 KiB segments per task under the column split)."""
+    d_in, d_out, wdt = spec.n_rows, spec.d_model, spec.weight_dtype
+    L = step_elems(spec)
+    n_lines = d_out // L
+    parts = max(1, parts)
+    pad = ROWS * (ahead + 1)
+    R = ROWS
+
+    @T.prim_func
+    def main(x: T.Buffer((d_in,), "float32"), mask: T.Buffer((d_in,), "int8"),
+             w_t: T.Buffer((d_in, d_out), wdt), y: T.Buffer((d_out,), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        w = T.decl_buffer((d_in * d_out,), wdt, data=w_t.data)
+        acc = T.alloc_buffer((parts * d_out,), "float32")  # the tasks' partial y
+        for p in T.parallel(parts):
+            off = T.alloc_buffer((d_in + pad,), "int32")
+            h = T.alloc_buffer((d_in + pad,), "float32")
+            k = T.alloc_buffer((16,), "int32")
+            k[0] = 0
+            for i in range(d_in):
+                if mask[i] != T.int8(0):
+                    off[k[0]] = i * d_out
+                    h[k[0]] = x[i]
+                    k[0] = k[0] + 1
+            for q in range(pad):
+                off[k[0] + q] = T.if_then_else(k[0] > 0, off[T.max(k[0] - 1, 0)], 0)
+                h[k[0] + q] = T.float32(0)
+            a0 = p * d_out
+            for v in range(n_lines):
+                for e in T.vectorized(L):
+                    acc[a0 + v * L + e] = T.float32(0)
+            ns = (k[0] + R - 1) // R
+            for j in range(p * ns // parts, (p + 1) * ns // parts):
+                r0 = off[j * R]
+                r1 = off[j * R + 1]
+                r2 = off[j * R + 2]
+                r3 = off[j * R + 3]
+                q0 = off[j * R + R * ahead]
+                q1 = off[j * R + R * ahead + 1]
+                q2 = off[j * R + R * ahead + 2]
+                q3 = off[j * R + R * ahead + 3]
+                h0 = h[j * R]
+                h1 = h[j * R + 1]
+                h2 = h[j * R + 2]
+                h3 = h[j * R + 3]
+                for v in range(n_lines):
+                    T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(w[q0 + v * L]), 0, _LOCALITY, 1))
+                    T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(w[q1 + v * L]), 0, _LOCALITY, 1))
+                    T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(w[q2 + v * L]), 0, _LOCALITY, 1))
+                    T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(w[q3 + v * L]), 0, _LOCALITY, 1))
+                    for e in T.vectorized(L):
+                        acc[a0 + v * L + e] = (acc[a0 + v * L + e] + h0 * T.Cast("float32", w[r0 + v * L + e])
+                                               + h1 * T.Cast("float32", w[r1 + v * L + e])
+                                               + h2 * T.Cast("float32", w[r2 + v * L + e])
+                                               + h3 * T.Cast("float32", w[r3 + v * L + e]))
+        for p in T.parallel(parts):
+            for v in range(p * n_lines // parts, (p + 1) * n_lines // parts):
+                for e in T.vectorized(L):
+                    y[v * L + e] = acc[v * L + e]
+                for t in range(1, parts):
+                    for e in T.vectorized(L):
+                        y[v * L + e] = y[v * L + e] + acc[t * d_out + v * L + e]
 
     return main

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from picompile.sparsity.calibration import load_calibration
+from picompile.sparsity.calibration import build_calibration, sample_by_default
 from picompile.context import BuildContext
 from picompile.formats.profile import PROFILE_FILE, write_profile
 from picompile.ir.ops import RELU_FAMILY, is_picompile_op
@@ -50,7 +50,9 @@ class _FFNInputs(WideningInterpreter):
 @register_pass("profile-activations")
 def profile_activations(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
     cfg = ctx.config
-    ids, corpus = load_calibration(cfg.calibration, ctx.tokenizer, ctx.info.vocab_size, cfg.calibration_tokens, cfg.seed)
+    ids, corpus = build_calibration(cfg.calibration, cfg.calibration_source, sample_by_default(cfg), ctx.model,
+                                    ctx.info.config, ctx.tokenizer, ctx.info.vocab_size, cfg.calibration_tokens,
+                                    cfg.seed, cfg.calibration_cache)
     window = min(ctx.max_seq_len, 256)
     chunks = [ids[i : i + window] for i in range(0, ids.numel(), window)]
     recorder = _FFNInputs(gm)

@@ -4,7 +4,9 @@ quantiles; the skipped input channels skip their rows of the weight stored input
 Thresholds are allocated against ``--act-sparsity`` (fraction of these projections' weight bytes skipped per token)
 or ``--accuracy-budget`` (calibration perplexity), greedily by measured loss per byte (``sparsity.input_sparsity``).
 After lower-tvm each input-sparse linear runs the TVM kernel of kind ``input_sparse`` for one token (it compacts the
-mask and reads only the active rows, ``kernels/input_sparse.py``).
+mask and reads only the active rows, ``kernels/input_sparse.py``); one the allocation leaves at 0 % goes back to the
+dense GEMV (tvm_linear). ``--input-criterion weighted`` scores channel i by |x_i|·‖W[:, i]‖₂ (WINA), stored as a
+per-channel threshold vector t / ‖W[:, i]‖. The greedy's loss curves are cached per model, calibration and options.
 """
 from __future__ import annotations
 
@@ -68,17 +70,20 @@ def _linear_xwb(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | None
 class _Rewriter:
     """Puts input_mask + input_sparse_linear nodes in place (threshold 0 until allocated) and collects groups."""
 
-    def __init__(self, gm: fx.GraphModule) -> None:
+    def __init__(self, gm: fx.GraphModule, weighted: bool = False) -> None:
         self.gm = gm
+        self.weighted = weighted  # score channels by |x_i|·‖W[:, i]‖₂ (Group.scale) instead of |x_i|
         self.groups: list[isp.Group] = []
         self.masks: list[fx.Node] = []
         self.lowered = False  # the inputs were lowered (tvm_*): the input-sparse linears get kernels too
 
-    def _masked(self, x: fx.Node, layer: int, group: str, before: fx.Node, d_in: int, nbytes: int) -> fx.Node:
+    def _masked(self, x: fx.Node, layer: int, group: str, before: fx.Node, w_t: torch.Tensor) -> fx.Node:
+        """An input mask on ``x`` for the input-major weight ``w_t`` [d_in, d_out] (every projection reading x)."""
         with self.gm.graph.inserting_before(before):
             mask = self.gm.graph.call_function(torch.ops.picompile.input_mask.default,
                                                call_args("input_mask", dict(x=x, threshold=0.0, layer=layer, group=group)))
-        self.groups.append(isp.Group(layer, group, d_in, nbytes))
+        scale = w_t.float().norm(dim=1) if self.weighted else None  # [d_in] the norm of each channel's weights
+        self.groups.append(isp.Group(layer, group, int(w_t.shape[0]), w_t.numel() * w_t.element_size(), scale=scale))
         self.masks.append(mask)
         return mask
 
@@ -93,9 +98,9 @@ class _Rewriter:
         assert parts is not None
         x, w, b = parts
         self.lowered |= node_op(node) == "tvm_linear"
-        weight = get_tensor(self.gm, w)  # [d_out, d_in]
-        mask = self._masked(x, layer, group, node, int(weight.shape[1]), weight.numel() * weight.element_size())
-        out = self._isl(x, weight.t().contiguous(), b, mask, node, f"isp{layer}_{group}_w_t")
+        w_t = get_tensor(self.gm, w).t().contiguous()  # [d_in, d_out]
+        mask = self._masked(x, layer, group, node, w_t)
+        out = self._isl(x, w_t, b, mask, node, f"isp{layer}_{group}_w_t")
         out.meta.update(node.meta)
         node.replace_all_uses_with(out)
         self.gm.graph.erase_node(node)
@@ -115,8 +120,9 @@ class _Rewriter:
         b_in = None if gated or parts[0]["b_up"] is None else add_buffer(self.gm, f"isp{layer}_up_b", t("b_up"), merge)
         down_t = t("w_down_t")  # [n, d]
         n, x, g = int(down_t.shape[0]), parts[0]["x"], self.gm.graph
-        mask_in = self._masked(x, layer, "gate_up", merge, int(w_in.shape[1]), w_in.numel() * w_in.element_size())
-        gu = self._isl(x, w_in.t().contiguous(), b_in, mask_in, merge, f"isp{layer}_gate_up_w_t")  # [..., n_in_rows]
+        w_in_t = w_in.t().contiguous()  # [d, n_in_rows]
+        mask_in = self._masked(x, layer, "gate_up", merge, w_in_t)
+        gu = self._isl(x, w_in_t, b_in, mask_in, merge, f"isp{layer}_gate_up_w_t")  # [..., n_in_rows]
         fn, kw = _ACTS[act]
         with g.inserting_before(merge):
             if gated:
@@ -125,7 +131,7 @@ class _Rewriter:
                 h = g.call_function(aten.mul.Tensor, (g.call_function(fn, (gate,), kw), up))  # [..., n]
             else:
                 h = g.call_function(fn, (gu,), kw)
-        mask_h = self._masked(h, layer, "down", merge, n, down_t.numel() * down_t.element_size())
+        mask_h = self._masked(h, layer, "down", merge, down_t)
         out = self._isl(h, down_t, m["bias"], mask_h, merge, f"isp{layer}_down_w_t")
         out.meta.update({k: v for k, v in merge.meta.items() if k in ("val", "tensor_meta", "nn_module_stack")})
         merge.replace_all_uses_with(out)
@@ -230,7 +236,7 @@ class _Calibrator:
 
     def nll(self, sparsity: list[float]) -> float:
         """Mean held-out NLL (nats per token) with every group at its sparsity."""
-        self.runner.thresholds = {m: g.threshold(s) for m, g, s in zip(self.rw.masks, self.rw.groups, sparsity)}
+        self.runner.thresholds = {m: g.cut(s) for m, g, s in zip(self.rw.masks, self.rw.groups, sparsity)}
         with torch.no_grad():
             total = sum(_nll(self.runner.logprobs(self.inputs(c)), c) for c in self.held)
         self.runner.thresholds = {}
@@ -255,7 +261,7 @@ class _Calibrator:
                     r.thresholds = {}
                     r.steps(env, at, p, self.inputs(chunk))
                     cursors[ci] = (env, p)
-                    r.thresholds = {mask: group.threshold(isp.ANCHOR)}
+                    r.thresholds = {mask: group.cut(isp.ANCHOR)}
                     kl += _kl(self.dense[ci], r.logprobs(self.inputs(chunk), env, p))
                 out[gi] = isp.anchored(kl / self.tokens, errors[gi])
                 r.thresholds = {}
@@ -271,8 +277,12 @@ def _allocate(cal: _Calibrator, ctx: BuildContext) -> tuple[isp.Allocation, dict
     if cfg.input_allocation == "uniform":
         path = [isp.uniform(len(groups), sizes, s) for s in [i / 20 for i in range(1, 19)]]
     else:
-        bar = iter(ctx.track(range(len(groups)), "measuring input-sparsity loss curves"))
-        curves = cal.curves(lambda: next(bar, None))
+        key, names = _curves_key(ctx), [f"{g.layer}.{g.name}" for g in groups]
+        curves = isp.cached_curves(cfg.calibration_cache, key, names)  # a build of this model and calibration before
+        if curves is None:
+            bar = iter(ctx.track(range(len(groups)), "measuring input-sparsity loss curves"))
+            curves = cal.curves(lambda: next(bar, None))
+            isp.store_curves(cfg.calibration_cache, key, names, curves)
         path = isp.greedy_path(curves, sizes)
         info["curves"] = {f"{g.layer}.{g.name}": [round(v, 6) for v in c] for g, c in zip(groups, curves)}
     if budget is None:
@@ -285,13 +295,25 @@ def _allocate(cal: _Calibrator, ctx: BuildContext) -> tuple[isp.Allocation, dict
     return (found or isp.uniform(len(groups), sizes, 0.0)), info
 
 
-def _build_kernel(ctx: BuildContext, w_t: torch.Tensor, use: str) -> str:
-    """Kind ``input_sparse`` over the input-major weight [d_in, d_out] (compiled or reused; copied into the
-    artifact)."""
+def _curves_key(ctx: BuildContext) -> str:
+    """What the loss curves depend on: the model, the calibration ids, and the options shaping the graph and the
+    measurement (a build at another --act-sparsity or --accuracy-budget reuses them)."""
+    from picompile.sparsity.calibration import model_fingerprint
+
+    cfg = ctx.config
+    corpus = ctx.manifest_extra.get("profile", {}).get("corpus", {})
+    return isp.curves_key(model_fingerprint(ctx.model, ctx.info.config), corpus.get("sha256"), corpus.get("n_tokens"),
+                          cfg.input_sparsity, cfg.input_criterion, cfg.input_loss_tokens, ctx.max_seq_len,
+                          cfg.weight_dtype, cfg.seed, "lower-tvm" in ctx.pipeline)
+
+
+def _build_kernel(ctx: BuildContext, w: torch.Tensor, use: str, kind: str = "input_sparse") -> str:
+    """Kind ``input_sparse`` over the input-major weight ``w`` [d_in, d_out], or kind ``up`` (the dense GEMV) over
+    ``w`` [d_out, d_in] (compiled or reused; copied into the artifact)."""
     from picompile.kernels import KernelSpec, build_kernel
 
-    spec = KernelSpec(kind="input_sparse", act="none", d_model=int(w_t.shape[1]), n_rows=int(w_t.shape[0]),
-                      weight_dtype=str(w_t.dtype).removeprefix("torch."), has_bias=False, target="llvm")
+    spec = KernelSpec(kind=kind, act="none", d_model=int(w.shape[1]), n_rows=int(w.shape[0]),
+                      weight_dtype=str(w.dtype).removeprefix("torch."), has_bias=False, target="llvm")
     key = spec.key()
     entries: list[dict[str, Any]] = ctx.manifest_extra.setdefault("kernels", [])
     entry = next((e for e in entries if e["key"] == key), None)
@@ -307,6 +329,23 @@ def _build_kernel(ctx: BuildContext, w_t: torch.Tensor, use: str) -> str:
         entries.append(entry)
     entry["uses"].append(use)
     return key
+
+
+def _dense_gemv(gm: fx.GraphModule, ctx: BuildContext, node: fx.Node) -> None:
+    """An input-sparse linear the allocation left dense (no mask) → tvm_linear over its weight back in nn.Linear's
+    layout [d_out, d_in]: the dense GEMV kernel (kind ``up``), not the input-sparse kernel over every row (0.9×)."""
+    from picompile.kernels import as_aligned
+
+    a = args_of(node)
+    w = as_aligned(get_tensor(gm, a["w_t"]).t().contiguous(), copy=True)  # [d_out, d_in]
+    w_node = add_buffer(gm, f"{node.name}_w", w, node)
+    key = _build_kernel(ctx, w, node.name, kind="up")
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_function(torch.ops.picompile.tvm_linear.default,
+                                     call_args("tvm_linear", dict(x=a["x"], w=w_node, b=a["b"], kernel=key)))
+    new.meta.update(node.meta)
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
 
 
 def _prune_kernels(gm: fx.GraphModule, ctx: BuildContext) -> None:
@@ -326,7 +365,7 @@ def _prune_kernels(gm: fx.GraphModule, ctx: BuildContext) -> None:
 
 
 def _rewrite(gm: fx.GraphModule, ctx: BuildContext) -> _Rewriter:
-    rw = _Rewriter(gm)
+    rw = _Rewriter(gm, weighted=ctx.config.input_criterion == "weighted")
     sites = [(n, _attention_site(n)) for n in gm.graph.nodes if _linear_xwb(n) is not None]
     for node, site in sites:
         if site is not None:
@@ -359,23 +398,29 @@ def sparsify_inputs(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
     sparse_nll = cal.nll(alloc.sparsity)
     per_group = []
     for mask, group, s in zip(rw.masks, rw.groups, alloc.sparsity):
-        thr = group.threshold(s)
+        thr, cut = group.threshold(s), group.cut(s)
         per_group.append({"layer": group.layer, "group": group.name, "sparsity": round(s, 4), "threshold": thr,
                           "bytes": group.bytes})
         if s > 0.0:
             set_args(mask, threshold=thr)
+            if isinstance(cut, torch.Tensor):  # weighted: |x_i| > t / ‖W[:, i]‖ per channel
+                set_args(mask, thresholds=add_buffer(gm, f"isp_{mask.name}_thr", cut, mask))
         else:  # a dense input: no mask (every row read)
             for user in list(mask.users):
                 set_args(user, mask=None)
     gm.graph.eliminate_dead_code()
     if rw.lowered:
         for node in [n for n in gm.graph.nodes if node_op(n) == "input_sparse_linear"]:
+            if args_of(node)["mask"] is None:
+                _dense_gemv(gm, ctx, node)
+                continue
             w_t = get_tensor(gm, args_of(node)["w_t"])
             set_args(node, kernel=_build_kernel(ctx, w_t, node.name))
+        drop_unused_weights(gm)
         _prune_kernels(gm, ctx)
     gm.recompile()
     ctx.manifest_extra["input_sparsity"] = {
-        "mode": cfg.input_sparsity, **{k: v for k, v in info.items() if k != "curves"},
+        "mode": cfg.input_sparsity, "criterion": cfg.input_criterion, **{k: v for k, v in info.items() if k != "curves"},
         "target_bytes": None if cfg.accuracy_budget is not None else cfg.act_sparsity,
         "accuracy_budget": cfg.accuracy_budget, "bytes_saved_calibration": round(alloc.saved, 4),
         "calibration_nll": {"dense": cal.dense_nll, "sparse": sparse_nll, "tokens": cal.tokens},

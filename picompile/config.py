@@ -16,6 +16,8 @@ ActCriterion = Literal["gate", "product"]
 WeightDType = Literal["float32", "float16", "int8", "int4"]  # int8/int4: picompile.kernels.qformat
 PredictorDType = Literal["float32", "float16"]
 InputSparsity = Literal["off", "attention", "all"]  # sparsify-inputs: which projections get input thresholds
+InputCriterion = Literal["magnitude", "weighted"]  # sparsify-inputs: keep channel i by |x_i| or |x_i|·‖W[:, i]‖₂
+CalibrationSource = Literal["auto", "sampled", "builtin"]  # without --calibration: text sampled from the model or not
 
 
 def default_cache_dir() -> Path:
@@ -37,6 +39,11 @@ def kernel_cache_dir() -> Path:
     return default_cache_dir() / "kernels"
 
 
+def calibration_cache_dir() -> Path:
+    """Where calibration ids sampled from a model are kept, by model fingerprint (a second build reuses them)."""
+    return default_cache_dir() / "calibration"
+
+
 @dataclass
 class BuildConfig:
     """Options of ``picompile build`` (CLI flags map one to one)."""
@@ -48,7 +55,10 @@ class BuildConfig:
     pipeline: str = "default"
     predictor: PredictorMode = "trained"
     max_seq_len: int | None = None  # context length of the artifact; None = model's own
-    calibration: Path | None = None  # text or token file for profiling; None = built-in default
+    calibration: Path | None = None  # text or token file for profiling; None = calibration_source decides
+    calibration_source: CalibrationSource = "auto"  # no --calibration: "sampled" from the model itself (cached per
+    # model), "builtin" text, or "auto" = sampled when input sparsity is on and the model can generate, else builtin
+    calibration_cache: Path = field(default_factory=calibration_cache_dir)  # sampled calibration ids
     calibration_tokens: int = 4096  # tokens profiled (and used to train predictors)
     act_sparsity: float = 0.5  # non-ReLU FFNs: per-layer |act| threshold giving this inactive fraction
     act_criterion: ActCriterion = "gate"  # non-ReLU gated FFNs: |act(gate)| (CATS) or |act(gate)·up| (product)
@@ -58,6 +68,7 @@ class BuildConfig:
     input_sparsity: InputSparsity = "off"  # TEAL-style |x| thresholds on the inputs of q/k/v and o ("attention"), and
     # of gate/up and down of SiLU/GELU FFNs too ("all"; ReLU FFNs keep their neuron predictor)
     input_allocation: SparsityAllocation = "greedy"  # per-tensor input sparsities by measured loss per byte, or uniform
+    input_criterion: InputCriterion = "magnitude"  # keep input channel i by |x_i| (TEAL) or |x_i|·‖W[:, i]‖₂ (WINA)
     accuracy_budget: float | None = None  # input sparsity: max relative perplexity increase on held-out calibration
     # tokens (0.01 = +1 %); None = --act-sparsity is the fraction of those projections' weight bytes skipped per token
     input_loss_tokens: int = 512  # held-out calibration tokens the input-sparsity loss curves are measured on
@@ -105,6 +116,10 @@ class BuildConfig:
              self.input_sparsity),
             (self.input_allocation in ("greedy", "uniform"), "--input-allocation must be greedy or uniform",
              self.input_allocation),
+            (self.input_criterion in ("magnitude", "weighted"), "--input-criterion must be magnitude or weighted",
+             self.input_criterion),
+            (self.calibration_source in ("auto", "sampled", "builtin"), "--calibration-source must be auto, sampled "
+             "or builtin", self.calibration_source),
             (self.accuracy_budget is None or 0.0 < self.accuracy_budget <= 10.0, "--accuracy-budget must be in (0, 10]",
              self.accuracy_budget),
             (self.input_loss_tokens >= 16, "--input-loss-tokens must be >= 16", self.input_loss_tokens),

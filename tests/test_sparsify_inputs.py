@@ -32,15 +32,25 @@ def _decode(gm: torch.fx.GraphModule, ctx, ids: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind,d_in,d_out", [("input_sparse", 96, 80), ("input_sparse", 70, 576),
-                                              ("input_sparse", 33, 24), ("down", 96, 80)])
+                                              ("input_sparse", 33, 24), ("input_sparse_rows", 70, 576),
+                                              ("input_sparse_rows", 33, 24), ("down", 96, 80)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_kernel_equals_torch_reference(dtype: torch.dtype, kind: str, d_in: int, d_out: int, tmp_path: Path) -> None:
-    """The one-token kernel (``input_sparse``; ``down``: artifacts built before it) against (x · mask) Wᵀ + b, at
-    shapes whose row lengths are whole cache lines, not (24 float32 = 1.5 lines), and whose active counts are not
-    multiples of the kernel's four rows per step; every channel active (mask None) and none."""
+def test_kernel_equals_torch_reference(dtype: torch.dtype, kind: str, d_in: int, d_out: int, tmp_path: Path,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-token kernel (``input_sparse``, its tasks splitting y or, ``_rows``, the active rows; ``down``:
+    artifacts built before it) against (x · mask) Wᵀ + b, at shapes whose row lengths are whole cache lines, not
+    (24 float32 = 1.5 lines), and whose active counts are not multiples of the kernel's four rows per step; every
+    channel active (mask None) and none."""
     from picompile.kernels import KernelSpec, as_aligned, build_kernel
+    from picompile.kernels import input_sparse as isk
     from picompile.kernels.loader import load_kernel
     from picompile.kernels.table import add_kernel
+
+    if kind == "input_sparse_rows":  # (the kernel cache is this test's own tmp_path)
+        monkeypatch.setattr(isk, "ROW_SPLIT_MAX_BYTES", 1 << 30)
+        kind = "input_sparse"
+    else:
+        monkeypatch.setattr(isk, "ROW_SPLIT_MAX_BYTES", 0)
 
     spec = KernelSpec(kind=kind, act="none", d_model=d_out, n_rows=d_in, weight_dtype=str(dtype).removeprefix("torch."),
                       has_bias=False, target="llvm")
@@ -82,6 +92,7 @@ def test_lowered_pass_matches_reference_and_skips_bytes(silu_ckpt: Path, tmp_pat
     assert ops["picompile::input_sparse_linear"] == 4 * L  # qkv (fused), o, gate/up (fused), down per layer
     assert ops["picompile::tvm_linear"] == 1  # lm_head stays a dense GEMV
     report = ctx.manifest_extra["input_sparsity"]
+    assert ctx.manifest_extra["profile"]["corpus"]["kind"] == "sampled"  # input sparsity: sampled from the model
     assert abs(report["bytes_saved_calibration"] - 0.4) < 0.1
     assert {g["group"] for g in report["groups"]} == {"qkv", "o", "gate_up", "down"}
     kinds = sorted(e["spec"]["kind"] for e in ctx.manifest_extra["kernels"])
@@ -173,3 +184,115 @@ def test_batched_calibration_sampler_writes_documents_from_bos(silu_ckpt: Path) 
     assert ids.count(bos) >= 40 // 8  # one BOS per document of at most 8 ids
     vocab = json.loads((silu_ckpt / "config.json").read_text())["vocab_size"]
     assert all(0 <= t < vocab for t in ids)
+
+
+def test_weighted_criterion_folds_into_per_channel_thresholds() -> None:
+    """WINA's |x_i|·‖W[:, i]‖ > t is |x_i| > t / ‖W[:, i]‖: the cut keeps exactly the channels whose weighted score
+    is above the quantile; at 0 % it is 0 (every nonzero channel read); a zero column is never read."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 16, generator=g)
+    scale = torch.rand(16, generator=g) + 0.1
+    scale[3] = 0.0
+    grp = isp.Group(0, "o", 16, 16 * 8 * 4, scale=scale)
+    grp.add(x, g)
+    grp.finish()
+    assert grp.cut(0.0) == 0.0
+    cut = grp.cut(0.4)
+    assert isinstance(cut, torch.Tensor) and cut.shape == (16,) and math.isinf(float(cut[3]))
+    t = grp.threshold(0.4)
+    keep = (x.abs() > cut)[:, [i for i in range(16) if i != 3]]
+    want = (x.abs() * scale > t)[:, [i for i in range(16) if i != 3]]
+    assert torch.equal(keep, want)
+    assert abs(float((x.abs() * scale <= t).float().mean()) - 0.4) < 0.03  # the quantile of the weighted scores
+
+
+def test_weighted_thresholds_are_stored_and_dense_is_dense(silu_ckpt: Path, tmp_path: Path) -> None:
+    """A weighted build stores one threshold vector per mask; with the masks dropped (dense=True) it computes the
+    dense model, with them it does not (0 %: no mask at all, as test_zero_sparsity_is_exactly_dense checks)."""
+    some = picompile.build(silu_ckpt, output=tmp_path / "w.pic", predictor="none", act_sparsity=0.3,
+                           input_sparsity="all", calibration_tokens=256, input_loss_tokens=64,
+                           input_allocation="uniform", input_criterion="weighted")
+    s = picompile.load(some)
+    masks = [n for n in s.graph.graph.nodes if n.op == "call_function" and "input_mask" in str(n.target)]
+    assert masks and all(n.kwargs.get("thresholds") is not None or len(n.args) > 4 for n in masks)
+    from transformers import AutoModelForCausalLM
+
+    a = picompile.load(some, dense=True).logits(IDS)
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(silu_ckpt, dtype=torch.float32)(torch.tensor([IDS])).logits[0]
+    assert torch.allclose(a, ref, atol=1e-4)  # the source model's logits
+    with torch.no_grad():
+        masked = s.graph(torch.tensor([IDS]), *s.empty_past())[0][0]
+    assert not torch.allclose(masked, a, atol=1e-4)
+    assert s.manifest.sections["input_sparsity"]["criterion"] == "weighted"
+
+
+def test_dense_groups_run_the_gemv_and_bench_counts_input_masks(silu_ckpt: Path, tmp_path: Path) -> None:
+    """A group the allocation leaves at 0 % becomes a dense GEMV (tvm_linear, kind ``up``); bench's bytes per token
+    count the input masks measured on a decode (fewer bytes than the same graph dense)."""
+    from picompile.ir.reads import weight_bytes
+    from picompile.tools.traffic import measured_input_active
+
+    names = pass_names("default")[:-1]
+    ctx = context_for(silu_ckpt, tmp_path, predictor="none", input_sparsity="all", act_sparsity=0.15,
+                      calibration_tokens=512, input_loss_tokens=128)
+    gm = run_passes(ctx, names)
+    groups = ctx.manifest_extra["input_sparsity"]["groups"]
+    n_dense = sum(g["sparsity"] == 0.0 for g in groups)
+    assert 0 < n_dense < len(groups)  # the greedy path leaves some groups dense at 15 %
+    ops = count_ops(gm)
+    assert ops["picompile::input_sparse_linear"] == len(groups) - n_dense
+    assert ops["picompile::tvm_linear"] == 1 + n_dense  # lm_head and the dense groups
+    load_kernels(tmp_path, ctx.manifest_extra["kernels"])
+    with torch.no_grad():
+        full = gm(torch.tensor([IDS]), *ctx.info.kv_tensors())[0][0]
+    assert (full - _decode(gm, ctx, IDS)).abs().max().item() < 1e-4
+
+    art = picompile.build(silu_ckpt, output=tmp_path / "u.pic", predictor="none", act_sparsity=0.4,
+                          input_sparsity="all", calibration_tokens=256, input_loss_tokens=64, input_allocation="uniform")
+    s = picompile.load(art)
+    read = measured_input_active(s, IDS[:3], 4)
+    assert read and all(0.0 < f < 1.0 for f in read.values())
+    sparse, dense = weight_bytes(s.graph, None, None, read)["total"], weight_bytes(s.graph, None)["total"]
+    assert sparse < 0.8 * dense
+
+
+def test_calibration_is_sampled_cached_and_keyed_by_model(checkpoints: dict, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without --calibration an input-sparse build samples its calibration ids from the model
+    (``build_calibration``, what profile-activations calls); a second build of the same model reuses them from the
+    cache, another model (same shape, other weights) samples its own; ``builtin`` and a file are not sampled."""
+    from picompile.frontend import load_model
+    from picompile.sparsity import calibration
+    from picompile.testing import save_tiny_checkpoint
+
+    sampled: list[int] = []
+    real = calibration.sample_documents
+    monkeypatch.setattr(calibration, "sample_documents", lambda *a, **k: sampled.append(1) or real(*a, **k))
+    cache = tmp_path / "cal"
+
+    def calib(path: Path, source: str = "auto", file: Path | None = None) -> tuple[torch.Tensor, dict]:
+        model, info = load_model(str(path))
+        return calibration.build_calibration(file, source, True, model, info.config, None, info.vocab_size, 48, 0,
+                                             cache)
+
+    silu = checkpoints[("llama", "silu")]
+    (ids1, first), (ids2, second) = calib(silu), calib(silu)
+    assert len(sampled) == 1 and first == second and torch.equal(ids1, ids2)  # the second read the cache
+    assert first["kind"] == "sampled" and Path(first["source"]).parent == cache and ids1.numel() == 48
+    _, other = calib(save_tiny_checkpoint(tmp_path / "other", "llama", "silu", seed=8))
+    assert len(sampled) == 2 and other["model_fingerprint"] != first["model_fingerprint"]
+    assert calib(silu, "builtin")[1]["kind"] != "sampled"
+    (tmp_path / "ids.json").write_text("[" + ",".join(["5"] * 40) + "]")
+    assert calib(silu, "auto", tmp_path / "ids.json")[1]["kind"] == "tokens" and len(sampled) == 2
+
+
+def test_loss_curves_are_cached_for_the_same_groups(tmp_path: Path) -> None:
+    """A second build of the same model and calibration reuses the measured curves (other options: another key)."""
+    names, curves = ["0.qkv", "0.o"], [[0.1 * j for j in range(9)], [0.2 * j for j in range(9)]]
+    key = isp.curves_key("fp", "sha", 4096, "all", "magnitude", 512, 512, "float32", 0, False)
+    assert isp.cached_curves(tmp_path, key, names) is None
+    isp.store_curves(tmp_path, key, names, curves)
+    assert isp.cached_curves(tmp_path, key, names) == curves
+    assert isp.cached_curves(tmp_path, key, ["0.qkv", "1.o"]) is None  # other groups: not these curves
+    assert isp.curves_key("fp", "sha", 4096, "all", "weighted", 512, 512, "float32", 0, False) != key

@@ -24,6 +24,9 @@ def add_parser(sub: Any) -> None:
     b.add_argument("--predictor", default="trained", choices=["trained", "oracle", "none"])
     b.add_argument("--max-seq-len", type=int_range(2, 1 << 22), help="context length of the artifact (default: the model's)")
     b.add_argument("--calibration", help="text or token file (.npy/.json ids) for activation profiling")
+    b.add_argument("--calibration-source", choices=["auto", "sampled", "builtin"], default="auto",
+                   help="without --calibration: ids sampled from the model itself (cached per model under the cache "
+                        "dir), the built-in text, or auto = sampled for --input-sparsity builds (default auto)")
     b.add_argument("--calibration-tokens", type=int_range(16, 1 << 31), default=4096, metavar="N", help="tokens to profile (default 4096)")
     b.add_argument("--act-sparsity", type=finite_float(0.0, 1.0, hi_open=True), default=0.5, metavar="F",
                    help="non-ReLU FFNs: mean fraction of neurons counted inactive per layer (default 0.5)")
@@ -58,6 +61,9 @@ def add_parser(sub: Any) -> None:
     b.add_argument("--accuracy-budget", type=finite_float(0.0, 10.0, lo_open=True), default=None, metavar="F",
                    help="input sparsity: skip as many bytes as keep the held-out calibration perplexity within "
                         "+F (0.01 = +1 %%) instead of a fixed --act-sparsity")
+    b.add_argument("--input-criterion", choices=["magnitude", "weighted"], default="magnitude",
+                   help="input sparsity: keep channel i by |x_i| (TEAL; default) or |x_i|·‖W[:, i]‖₂ (WINA: the "
+                        "norm of the weight column it multiplies, over every projection reading it)")
     b.add_argument("--input-loss-tokens", type=int_range(16, 1 << 31), default=512, metavar="N",
                    help="held-out calibration tokens the input-sparsity loss curves are measured on (default 512)")
     b.add_argument("--recall-target", type=finite_float(0.0, 1.0, lo_open=True), default=None, metavar="F",
@@ -101,6 +107,7 @@ def cmd(args: argparse.Namespace) -> int:
         predictor_dtype=args.predictor_dtype, input_sparsity=args.input_sparsity,
         input_allocation=args.input_allocation, accuracy_budget=args.accuracy_budget,
         input_loss_tokens=args.input_loss_tokens, max_memory_gib=args.max_memory,
+        calibration_source=args.calibration_source, input_criterion=args.input_criterion,
     )
     err = console()
     start = time.perf_counter()

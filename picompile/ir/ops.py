@@ -487,14 +487,17 @@ def input_mask(
     threshold: float,  # |x_i| above this: channel i is active
     layer: int,
     group: str,  # "qkv" | "o" | "gate_up" | "down": which projections read these channels
+    thresholds: Optional[Tensor] = None,  # [d_in] float32 per-channel thresholds, used instead of ``threshold``
 ) -> Tensor:
     """Which input channels an input-sparse linear reads: ``|x| > threshold`` → [..., d_in] bool (TEAL's
-    magnitude criterion, one threshold per tensor set from calibration quantiles)."""
-    return x.abs() > threshold
+    magnitude criterion, one threshold per tensor set from calibration quantiles); with ``thresholds``,
+    ``|x_i| > thresholds[i]`` (the weighted criterion ``|x_i|·‖W[:, i]‖ > t`` folded into ``t / ‖W[:, i]‖``)."""
+    return x.abs() > (threshold if thresholds is None else thresholds)
 
 
 @input_mask.register_fake
-def _input_mask_fake(x: Tensor, threshold: float, layer: int, group: str) -> Tensor:
+def _input_mask_fake(x: Tensor, threshold: float, layer: int, group: str,
+                     thresholds: Optional[Tensor] = None) -> Tensor:
     return x.new_empty(x.shape, dtype=torch.bool)
 
 

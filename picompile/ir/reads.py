@@ -132,18 +132,31 @@ def _ffn_reads(reads: _Reads, gm: fx.GraphModule, node: fx.Node, op: str, args: 
 
 
 def weight_bytes(gm: fx.GraphModule, active: Mapping[int, float] | None,
-                 fired: Mapping[int, float] | None = None) -> dict[str, Any]:
+                 fired: Mapping[int, float] | None = None,
+                 input_active: Mapping[str, float] | None = None) -> dict[str, Any]:
     """Weight bytes one decode token reads through ``gm``.
 
     ``active``: per FFN layer, the fraction of neurons computed (``None``, or a layer missing: all of
     them, as in a graph without masks). ``fired``: per layer, the fraction of neurons selected *and*
     firing (ReLU output non-zero); where a kernel skips the rest of a selected row that does not fire
     (:func:`skips_inactive`), only its deciding rows count at ``active``, the others at ``fired``.
+    ``input_active``: per input-sparse linear (node name), the fraction of its input channels read (its weight
+    ``w_t`` rows; missing: all of them).
     Returns {"total", "ffn", "ffn_full", "other", "by_format": {format: bytes}} in bytes.
     """
     reads = _Reads()
     for node in gm.graph.nodes:
         if node.op != "call_function":
+            continue
+        if input_active and node.name in input_active and schema.node_op(node) == "input_sparse_linear":
+            named = schema.args_of(node)
+            t = attr(gm, named["w_t"])
+            if t is not None:
+                reads.use(t, t.numel() * t.element_size() * float(input_active[node.name]))
+            for k in ("x", "b"):
+                b = attr(gm, named[k])
+                if b is not None:
+                    reads.use(b, b.numel() * b.element_size())
             continue
         op = ffn_op(node.target)
         if op is not None:

@@ -13,8 +13,11 @@ bisects along it on the real (all groups together) loss.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -35,13 +38,16 @@ class Group:
     samples: list[torch.Tensor] = field(default_factory=list)  # |x| [k] chunks, before finish()
     ordered: torch.Tensor | None = None  # [S] sorted |x| (after finish())
     rows: list[torch.Tensor] = field(default_factory=list)  # [r, d_in] input rows, MAX_ROWS in all
+    scale: torch.Tensor | None = None  # [d_in] ‖W[:, i]‖₂ over every projection reading channel i (weighted
+    # criterion, WINA: a channel's score is |x_i|·scale_i); None = TEAL's |x_i|
 
     def add(self, x: torch.Tensor, generator: torch.Generator) -> None:
         """Keep a random subset of the entries of ``x`` [..., d_in] (at most MAX_SAMPLES in all) and its first rows."""
         have = sum(int(r.shape[0]) for r in self.rows)
         if have < MAX_ROWS:
             self.rows.append(x.detach().reshape(-1, x.shape[-1])[: MAX_ROWS - have].float().clone())
-        flat = x.detach().reshape(-1).abs().float()
+        flat = x.detach().abs().float()
+        flat = (flat if self.scale is None else flat * self.scale).reshape(-1)
         keep = max(1, MAX_SAMPLES // 8)
         if flat.numel() > keep:
             flat = flat[torch.randint(flat.numel(), (keep,), generator=generator)]
@@ -61,6 +67,15 @@ class Group:
         k = min(int(sparsity * self.ordered.numel()), self.ordered.numel() - 1)
         return float(self.ordered[k])
 
+    def cut(self, sparsity: float) -> float | torch.Tensor:
+        """What ``|x|`` is compared with so that ``sparsity`` of the channels' scores fall at or below the threshold:
+        the threshold itself (|x| criterion), or per channel threshold / scale_i [d_in] (weighted; a channel whose
+        weight column is all zero is never read)."""
+        t = self.threshold(sparsity)
+        if self.scale is None or t == 0.0:
+            return t
+        return torch.where(self.scale > 0, t / self.scale.clamp_min(1e-30), torch.tensor(float("inf")))
+
 
     def output_error(self, w_ts: Sequence[torch.Tensor], levels: Sequence[float] = LEVELS) -> list[float]:
         """Relative squared error of the projections' outputs (``x Wᵀ`` for each input-major ``w_t`` [d_in, d_out]) on
@@ -70,7 +85,7 @@ class Group:
         ref = sum(float((y * y).sum()) for y in ys) or 1.0
         out = []
         for s in levels:
-            dropped = x * (x.abs() <= self.threshold(s))  # what the mask removes
+            dropped = x * (x.abs() <= self.cut(s))  # what the mask removes
             out.append(sum(float(((dropped @ w.float()) ** 2).sum()) for w in w_ts) / ref)
         return out
 
@@ -156,3 +171,35 @@ def within_budget(path: Sequence[Allocation], within: Callable[[Allocation], boo
         else:
             hi = mid - 1
     return (path[lo] if lo >= 0 else None), evals
+
+
+CURVES_VERSION = 1  # bump when the measurement changes: older cached curves are then not used
+
+
+def curves_key(*parts: Any) -> str:
+    """A cache key for loss curves over what they depend on (model fingerprint, calibration hash, options)."""
+    return hashlib.sha256(json.dumps([CURVES_VERSION, LEVELS, ANCHOR, *parts], default=str).encode()).hexdigest()[:32]
+
+
+def cached_curves(cache_dir: Path, key: str, names: Sequence[str]) -> list[list[float]] | None:
+    """The loss curves stored under ``key`` for exactly these groups (``layer.name`` in order), else None."""
+    try:
+        data = json.loads((Path(cache_dir) / "curves" / f"{key}.json").read_text())
+        curves = [[float(v) for v in c] for c in data["curves"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if data.get("groups") != list(names) or any(len(c) != len(LEVELS) for c in curves):
+        return None
+    return curves
+
+
+def store_curves(cache_dir: Path, key: str, names: Sequence[str], curves: Sequence[Sequence[float]]) -> None:
+    """Keep measured loss curves for a later build of the same model and calibration (best effort)."""
+    path = Path(cache_dir) / "curves" / f"{key}.json"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".partial")
+        tmp.write_text(json.dumps({"groups": list(names), "curves": [list(map(float, c)) for c in curves]}))
+        tmp.replace(path)
+    except OSError:
+        pass

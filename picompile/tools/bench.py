@@ -62,7 +62,8 @@ from picompile.tools.engines import (
     session_engine,
 )
 from picompile.tools.llama_bench import GGUF_TYPES, find_tool, gguf_bytes_per_token, gguf_type_for, llama_bench_engine, peer_gguf
-from picompile.tools.traffic import copy_bandwidth, kv_bytes, manifest_active, measured_active, weight_bytes
+from picompile.tools.traffic import (copy_bandwidth, kv_bytes, manifest_active, measured_active,
+                                     measured_input_active, weight_bytes)
 
 REQUIRED_KEYS: tuple[str, ...] = (
     "decode_tokens_per_s", "dense_decode_tokens_per_s", "decode_speedup",
@@ -426,8 +427,9 @@ def _traffic(lineup: Lineup, prompt: list[int], opts: BenchOptions, emit: Emit) 
     emit("counting the neurons the masks select")
     n = min(opts.tokens, opts.mask_tokens)
     active, fired = measured_active(session, prompt, n) if opts.mask_tokens > 0 else ({}, {})
+    inputs = measured_input_active(session, prompt, n) if opts.mask_tokens > 0 else {}  # input sparsity's masks
     from_manifest = manifest_active(session.manifest)
-    sparse = weight_bytes(session.graph, active or from_manifest, fired or None)
+    sparse = weight_bytes(session.graph, active or from_manifest, fired or None, inputs or None)
     dense = weight_bytes((lineup.dense_session or dense_view(session)).graph, None)
     kv = kv_bytes(session, opts.prompt_len + (opts.tokens - 1) / 2)
     return Traffic(active, fired, from_manifest, sparse, dense, kv)

@@ -41,7 +41,7 @@ def rebuild_options(manifest: Any) -> dict[str, Any]:
     opts.update(model=source, target=target["name"], pipeline=pipeline,
                 vram_budget_gib=int(target.get("vram_bytes", 0)) / GiB)
     corpus = (manifest.sections.get("profile") or {}).get("corpus") or {}
-    if corpus.get("kind") in ("text", "tokens"):
+    if corpus.get("kind") in ("text", "tokens", "sampled"):  # sampled: the ids cached per model (a token file)
         cal = Path(recorded_path(corpus.get("sha256")) or corpus["source"])
         if not cal.is_file():
             raise PicompileError(f"the artifact's calibration file {cal} is not found; --sweep rebuilds with it")

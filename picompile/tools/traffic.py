@@ -22,7 +22,7 @@ from picompile.tools.engines import greedy_token
 
 # the graph walk is picompile.ir.reads' (the build records bytes per token by format with it too)
 _attr = attr
-__all__ = ["FFN_OPS", "FFN_WEIGHTS", "ffn_op", "skips_inactive", "weight_bytes", "measured_active", "manifest_active",
+__all__ = ["FFN_OPS", "FFN_WEIGHTS", "ffn_op", "skips_inactive", "weight_bytes", "measured_active", "measured_input_active", "manifest_active",
            "kv_bytes", "copy_bandwidth"]
 
 
@@ -48,6 +48,17 @@ class _MaskCounter(fx.Interpreter):
         self.selected: dict[int, int] = {}
         self.fired: dict[int, int] = {}  # selected rows whose ReLU output is not 0 (kernels that skip the rest)
         self.rows: dict[int, int] = {}
+        self.inputs_read: dict[str, int] = {}  # input-sparse linear (node name) -> active input channels counted
+        self.inputs_rows: dict[str, int] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        if schema.node_op(n) == "input_sparse_linear":  # input sparsity: the channels (w_t rows) it reads
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            mask = schema.bind("input_sparse_linear", args, kwargs)["mask"]
+            if isinstance(mask, Tensor):
+                self.inputs_read[n.name] = self.inputs_read.get(n.name, 0) + int(mask.sum())
+                self.inputs_rows[n.name] = self.inputs_rows.get(n.name, 0) + int(mask.numel())
+        return super().run_node(n)
 
     def call_function(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         op = ffn_op(target)
@@ -78,6 +89,21 @@ def measured_active(session: Any, prompt: list[int], n: int) -> tuple[dict[int, 
     layers = [layer for layer in counter.rows if counter.rows[layer]]
     return ({layer: counter.selected[layer] / counter.rows[layer] for layer in layers},
             {layer: counter.fired[layer] / counter.rows[layer] for layer in layers})
+
+
+def measured_input_active(session: Any, prompt: list[int], n: int) -> dict[str, float]:
+    """Per input-sparse linear (node name), the fraction of its input channels its mask reads over ``n`` greedy
+    decode steps after ``prompt`` (empty for a graph without input sparsity)."""
+    if not any(schema.node_op(node) == "input_sparse_linear" for node in session.graph.graph.nodes):
+        return {}
+    logits, past = session.step(torch.tensor([prompt]), session.empty_past())
+    tok = greedy_token(logits)
+    counter = _MaskCounter(session.graph)
+    with torch.inference_mode():
+        for _ in range(n):
+            out = counter.run(torch.tensor([[tok]]), *past)
+            tok, past = greedy_token(out[0][0]), tuple(out[1:])
+    return {name: counter.inputs_read[name] / rows for name, rows in counter.inputs_rows.items() if rows}
 
 
 def manifest_active(manifest: Any) -> dict[int, float] | None:
