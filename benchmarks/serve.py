@@ -117,8 +117,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--time-limit", type=float, default=900.0, help="seconds for the whole run at most")
-    ap.add_argument("--batch-ffn", choices=("auto", "per-request", "union"), default="auto",
-                    help="the server's --batch-ffn (default auto, as the server's)")
+    ap.add_argument("--batch-ffn", choices=("auto", "per-request", "union"), default="per-request",
+                    help="the server's --batch-ffn (default per-request, as the server's)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     levels = [int(c) for c in args.clients.split(",")]

@@ -23,11 +23,12 @@ a request in a batch give the same floats, the server runs every decode step thr
 its sums run in another order than ``Session.generate``'s one-token kernels (fused FFN, fused predictor, GEMV),
 so its text can differ from ``run``'s where two logits are near-tied or a predictor score sits at its threshold.
 
-``union_ffn=None`` (``serve --batch-ffn auto``, the default) takes the union FFN where its weights are float and
-runs int8 / int4 FFNs per sequence (their split kernels' batched forms are compute-bound, see
-``benchmarks/README.md``); ``union_ffn=True`` (``--batch-ffn union``) takes it for every dtype, ``False``
-(``--batch-ffn per-request``) runs the FFN and predictors per sequence with the one-token fused kernels instead,
-each with its own mask (also exact as alone; B times the FFN's bytes). A node
+``union_ffn=False`` (``serve --batch-ffn per-request``, the default) runs the FFN and predictors per sequence
+with the one-token fused kernels, each with its own mask (exact as alone; B times the FFN's bytes, and still
+faster at 1, 4 and 16 clients on the 1B f16 artifact, ``benchmarks/README.md``); ``union_ffn=None``
+(``--batch-ffn auto``) takes the union FFN where its weights are float and runs int8 / int4 FFNs per sequence
+(their split kernels' batched forms are compute-bound); ``union_ffn=True`` (``--batch-ffn union``) takes it for
+every dtype. A node
 whose batched kernels cannot be had (no TVM compiler to build them, a part on the GPU) runs per sequence in
 either mode.
 
@@ -288,7 +289,7 @@ def _predict_ok(node: fx.Node) -> bool:
 
 
 def batch_graph(gm: fx.GraphModule, n_past: int, batch: int,
-                union_ffn: bool | None = None) -> tuple[fx.GraphModule, int]:
+                union_ffn: bool | None = False) -> tuple[fx.GraphModule, int]:
     """The B-sequence form of the arena decode graph ``gm`` (see the module docstring). Its inputs, per sequence
     in order: ids [1, 1], n_past past views (read only for their length), n_past arenas; it returns the B logits
     stacked, [B, 1, vocab]. Also returns how many linear calls are shared. ``union_ffn``: True / False, or None
@@ -379,7 +380,7 @@ class BatchRunner:
     slot's arenas after its first ``start`` positions; ``decode([(slot, token, position), …])`` runs one token of
     each listed slot in one call of the B-sequence graph and returns their logits [B, vocab]."""
 
-    def __init__(self, session: Any, slots: int, union_ffn: bool | None = None) -> None:
+    def __init__(self, session: Any, slots: int, union_ffn: bool | None = False) -> None:
         if session.kv is None:
             raise RuntimeError(f"batched decoding needs the in-place KV cache ({session.kv_reason})")
         if session.compiled:

@@ -76,9 +76,8 @@ class _MaskCounter(fx.Interpreter):
         self.fired[layer] = self.fired.get(layer, 0) + n_fired
 
 
-def measured_active(session: Any, prompt: list[int], n: int) -> tuple[dict[int, float], dict[int, float]]:
-    """Per FFN layer, the fraction of neurons the masks select over ``n`` greedy decode steps after ``prompt``,
-    and the fraction selected and firing (see :func:`weight_bytes`)."""
+def _count_decode(session: Any, prompt: list[int], n: int) -> _MaskCounter:
+    """A mask counter that has seen ``n`` greedy decode steps after ``prompt`` (the prompt's prefill not counted)."""
     logits, past = session.step(torch.tensor([prompt]), session.empty_past())
     tok = greedy_token(logits)
     counter = _MaskCounter(session.graph)
@@ -86,6 +85,13 @@ def measured_active(session: Any, prompt: list[int], n: int) -> tuple[dict[int, 
         for _ in range(n):
             out = counter.run(torch.tensor([[tok]]), *past)
             tok, past = greedy_token(out[0][0]), tuple(out[1:])
+    return counter
+
+
+def measured_active(session: Any, prompt: list[int], n: int) -> tuple[dict[int, float], dict[int, float]]:
+    """Per FFN layer, the fraction of neurons the masks select over ``n`` greedy decode steps after ``prompt``,
+    and the fraction selected and firing (see :func:`weight_bytes`)."""
+    counter = _count_decode(session, prompt, n)
     layers = [layer for layer in counter.rows if counter.rows[layer]]
     return ({layer: counter.selected[layer] / counter.rows[layer] for layer in layers},
             {layer: counter.fired[layer] / counter.rows[layer] for layer in layers})
@@ -96,13 +102,7 @@ def measured_input_active(session: Any, prompt: list[int], n: int) -> dict[str, 
     decode steps after ``prompt`` (empty for a graph without input sparsity)."""
     if not any(schema.node_op(node) == "input_sparse_linear" for node in session.graph.graph.nodes):
         return {}
-    logits, past = session.step(torch.tensor([prompt]), session.empty_past())
-    tok = greedy_token(logits)
-    counter = _MaskCounter(session.graph)
-    with torch.inference_mode():
-        for _ in range(n):
-            out = counter.run(torch.tensor([[tok]]), *past)
-            tok, past = greedy_token(out[0][0]), tuple(out[1:])
+    counter = _count_decode(session, prompt, n)
     return {name: counter.inputs_read[name] / rows for name, rows in counter.inputs_rows.items() if rows}
 
 
