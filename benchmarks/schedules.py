@@ -8,8 +8,8 @@
 reads its rows from DRAM). Each layer's index list selects ``--selected`` of the rows, of which
 ``--firing`` fire (the gate, for ``ffn_relu`` up + bias, is positive for that share of them): a trained
 predictor's precision. ``gemv``: kind ``up`` over every row (a float16 linear layer) at 64 and 32
-lanes (float32: and torch's ``F.linear``), the weights rotated over copies totalling ~1 GB, with the copy
-bandwidth measured in the same rounds. Every variant is checked against the first (``ffn`` skip on/off: bit-identical), rounds are interleaved
+lanes, and 32 without the software prefetch of the next row (float32: and torch's ``F.linear``), the weights
+rotated over copies totalling ~1 GB, with the copy and the read (a sum) bandwidth measured in the same rounds. Every variant is checked against the first (``ffn`` skip on/off: bit-identical), rounds are interleaved
 (A B C, C B A, …) and medians are reported. Not a test.
 """
 from __future__ import annotations
@@ -111,13 +111,20 @@ def bench_ffn(args: argparse.Namespace) -> None:
         print(f"  {name:26s} {t * 1e3:7.3f} ms/layer  {first / t:5.2f}x")
 
 
+def _seconds(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def bench_gemv(args: argparse.Namespace) -> None:
     from picompile.tools.traffic import copy_bandwidth
 
     d, rows = args.d_model, args.rows
     spec = KernelSpec(kind="up", act="none", d_model=d, n_rows=rows, weight_dtype=args.dtype, has_bias=False,
                       target="llvm")
-    fns = _compile(spec, {"64 lanes": {"up_lanes": 64}, "32 lanes": {"up_lanes": 32}})
+    fns = _compile(spec, {"64 lanes": {"up_lanes": 64}, "32 lanes": {"up_lanes": 32},
+                          "32 lanes, no prefetch": {"up_lanes": 32, "prefetch": False}})
     dt = getattr(torch, args.dtype)
     nbytes = rows * d * dt.itemsize
     copies = [as_aligned((torch.randn(rows, d) * 0.02).to(dt)) for _ in range(max(8, (1 << 30) // nbytes))]
@@ -144,6 +151,8 @@ def bench_gemv(args: argparse.Namespace) -> None:
         xt = x.reshape(1, d)
         measures["torch F.linear"] = timed(lambda x_, w, i_, y_: torch.nn.functional.linear(xt, w))
     measures["copy (read + write)"] = lambda: copy_bandwidth(src, dst) / 1e9
+    buf = torch.ones(512 << 18)  # float32, 512 MiB: the read bandwidth (the decode bound's denominator)
+    measures["read (sum)"] = lambda: buf.numel() * 4 / _seconds(buf.sum) / 1e9
     med = _rounds(measures, args.repeats)
     print(f"GEMV {args.dtype} [{rows}, {d}], weights rotated over {len(copies)} copies, {args.repeats} rounds, medians")
     for name, gbs in med.items():

@@ -65,7 +65,8 @@ def fuse_projections(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
             gm.graph.erase_node(n)
         fused.append({"input": str(getattr(x, "name", x)), "linears": [n.name for n in nodes],
                       "rows": [int(w.shape[0]) for w in ws]})
-    drop_unused_weights(gm)  # the separate weights no longer read
+        del ws, biases, have, parts, w
+        drop_unused_weights(gm)  # this group's separate weights, no longer read: gone before the next is stacked
     gm.recompile()
     ctx.manifest_extra["fuse_projections"] = {"groups": len(fused), "fused": fused}
     return gm

@@ -35,7 +35,8 @@ WEIGHTS_ALIGN = 64  # bytes: picompile.kernels.ALIGNMENT (the passes may not imp
 RECORDED_OPTIONS: tuple[str, ...] = (
     "predictor", "seed", "calibration_tokens", "act_sparsity", "act_criterion", "sparsity_allocation", "allocation_step",
     "allocation_tokens", "recall_target", "predictor_budget", "predictor_epochs", "placement_batch", "min_layer_neurons",
-    "weight_dtype", "predictor_kind", "predictor_dtype", "quant_block",
+    "weight_dtype", "predictor_kind", "predictor_dtype", "quant_block", "calibration_source", "input_sparsity",
+    "input_allocation", "input_criterion", "accuracy_budget", "input_loss_tokens",
 )
 
 

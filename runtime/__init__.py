@@ -63,7 +63,7 @@ def load(path: str | Path, verify: bool = True, dense: bool = False, hybrid: str
     manifest = read_manifest(root, verify=verify)
     from picompile.runtime.compute_dtype import choose_for
 
-    prefill_dtype, prefill_reason = choose_for(prefill_dtype, manifest, root)  # "auto": per CPU, artifact, memory
+    prefill_dtype, prefill_reason = choose_for(prefill_dtype, manifest, root, before_load=True)  # "auto": per CPU, artifact, memory
     if compile:
         from picompile.runtime.compile import transparent_mode
         from picompile.targets import Target

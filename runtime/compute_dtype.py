@@ -96,23 +96,26 @@ def _meminfo() -> dict[str, int]:
 QUANTIZED = ("int8", "int4")  # weight dtypes whose prefill dequantizes (``ops.deq``) without a copy
 
 
-def _fits(copy_bytes: int) -> tuple[bool, str]:
-    """Whether a copy of ``copy_bytes`` leaves ``RESERVE_BYTES`` (or an eighth of the machine's memory, if more)
-    available, and, when not, the sentence saying so."""
+def _fits(copy_bytes: int, loading_bytes: int = 0) -> tuple[bool, str]:
+    """Whether a copy of ``copy_bytes``, with ``loading_bytes`` still to come (the artifact's weights, when the
+    choice is made before the load reads them), leaves ``RESERVE_BYTES`` (or an eighth of the machine's
+    memory, if more) available, and, when not, the sentence saying so."""
     mem = _meminfo()
-    spare = mem.get("MemAvailable", 0) - copy_bytes
+    spare = mem.get("MemAvailable", 0) - loading_bytes - copy_bytes
     reserve = max(RESERVE_BYTES, mem.get("MemTotal", 0) // 8)
     if spare >= reserve:
         return True, ""
-    return False, (f"a bfloat16 copy ({copy_bytes / 2**30:.1f} GiB) would leave {max(spare, 0) / 2**30:.1f} GiB "
+    weights = f" beside the weights ({loading_bytes / 2**30:.1f} GiB)" if loading_bytes else ""
+    return False, (f"a bfloat16 copy ({copy_bytes / 2**30:.1f} GiB){weights} would leave {max(spare, 0) / 2**30:.1f} GiB "
                    f"available, under the {reserve / 2**30:.1f} GiB kept free")
 
 
-def choose(name: str | None, weight_dtype: str, copy_bytes: int, kernels: bool = True) -> tuple[str | None, str]:
+def choose(name: str | None, weight_dtype: str, copy_bytes: int, kernels: bool = True,
+           loading_bytes: int = 0) -> tuple[str | None, str]:
     """The prefill dtype a load runs ("bfloat16", or None: the weights' own) and why, for ``prefill_dtype``
     ``name`` on an artifact whose GEMM weights are ``weight_dtype``, a bfloat16 copy of which costs
     ``copy_bytes``; ``kernels``: the artifact has TVM kernels (without, it is the reference pipeline's: exact
-    reference math).
+    reference math); ``loading_bytes``: the weights the load has yet to read (made before the load: its file).
 
     float16 weights: bfloat16 on AVX512-BF16 without a native float16 GEMM (AMX keeps its float16 GEMM).
     int8 / int4 weights: bfloat16 on any CPU with a fast bfloat16 GEMM (AMX or AVX512-BF16): their own path
@@ -129,7 +132,7 @@ def choose(name: str | None, weight_dtype: str, copy_bytes: int, kernels: bool =
         per_call = f"({weight_dtype} weights dequantized to float32 per call)"
         if not has_bf16_gemm():
             return None, f"auto: no AMX or AVX512-BF16 here {per_call}"
-        fits, why = _fits(copy_bytes)
+        fits, why = _fits(copy_bytes, loading_bytes)
         if not fits:
             return None, f"auto: {why} {per_call}"
         return "bfloat16", (f"auto: {weight_dtype} weights with a fast bfloat16 GEMM here; bfloat16 copy "
@@ -140,7 +143,7 @@ def choose(name: str | None, weight_dtype: str, copy_bytes: int, kernels: bool =
         return None, "auto: this CPU has a native float16 GEMM (AMX)"
     if not torch.cpu._is_avx512_bf16_supported():
         return None, "auto: no AVX512-BF16 here (float16 weights widened to float32 per call)"
-    fits, why = _fits(copy_bytes)
+    fits, why = _fits(copy_bytes, loading_bytes)
     if not fits:
         return None, f"auto: {why} (float16 weights widened to float32 per call)"
     return "bfloat16", (f"auto: AVX512-BF16 without a native float16 GEMM; bfloat16 copy "
@@ -181,10 +184,15 @@ def copy_bytes(manifest: Any, root: Path | None = None) -> int:
     return total
 
 
-def choose_for(name: str | None, manifest: Any, root: Path | None = None) -> tuple[str | None, str]:
-    """:func:`choose` for an artifact's manifest (and its directory ``root``, for the copy's exact size)."""
+def choose_for(name: str | None, manifest: Any, root: Path | None = None,
+               before_load: bool = False) -> tuple[str | None, str]:
+    """:func:`choose` for an artifact's manifest (and its directory ``root``, for the copy's exact size);
+    ``before_load``: its weights are not read yet, so their file's size counts against the memory too (copied
+    or mapped alike: decode makes every page resident)."""
+    file = str(manifest.weights.get("file", ""))
+    loading = int(manifest.files.get(file, {}).get("bytes", 0)) if before_load else 0
     return choose(name, str(manifest.weights.get("dtype", manifest.build.get("weight_dtype", "float32"))),
-                  copy_bytes(manifest, root), bool(manifest.sections.get("kernels")))
+                  copy_bytes(manifest, root), bool(manifest.sections.get("kernels")), loading_bytes=loading)
 
 
 def _op_name(node: fx.Node) -> str | None:

@@ -120,7 +120,7 @@ def graph_steps(o: LoadOptions) -> list[str]:
     steps += ["align-weights"] if o.aligned else []
     steps += ["drop-masks"] if o.dense else []
     steps += ["schedule-hybrid"] if o.hybrid != "off" else []
-    steps += ["drop-metadata-asserts", "call-directly"] if o.direct else []
+    steps += ["drop-metadata-asserts", "drop-noop-ops", "call-directly"] if o.direct else []
     return steps
 
 

@@ -2,7 +2,7 @@
 
 Graph steps (``load_graph``: the ``graph`` as read from graph.pt2):
 flatten-signature, bind-weights, align-weights, drop-masks, schedule-hybrid, drop-metadata-asserts,
-call-directly. Session steps (``Session``: its ``prefill`` and ``decode`` forms of that graph):
+drop-noop-ops, call-directly. Session steps (``Session``: its ``prefill`` and ``decode`` forms of that graph):
 dense-prefill, compute-dtype, kv-arenas, last-logits, opaque-calls, inline-trivial, native-calls, decode-attention.
 Which of them a load runs: ``load_pipeline.graph_steps`` / ``session_steps``.
 """
@@ -63,6 +63,14 @@ def _drop_metadata_asserts(state: LoadState) -> None:
     from picompile.ir.graph import drop_metadata_asserts
 
     state.graph = drop_metadata_asserts(_graph(state))
+
+
+@load_step("drop-noop-ops", ("graph",), "casts to the dtype a tensor has and unread copies of constants removed "
+           "(each a Python call per step)")
+def _drop_noop_ops(state: LoadState) -> None:
+    from picompile.ir.graph import drop_noop_ops
+
+    state.notes["noop_ops"] = drop_noop_ops(_graph(state))
 
 
 @load_step("call-directly", ("graph",), "picompile ops called past torch's dispatcher (DirectCall)")

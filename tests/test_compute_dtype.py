@@ -132,6 +132,11 @@ def test_auto_is_bfloat16_only_where_it_pays_and_fits(monkeypatch: pytest.Monkey
     _cpu(monkeypatch, amx=False, bf16=True, available_gib=9)  # a 7B float16 model loaded: 24 - 13.5 - the rest
     dtype, why = choose(None, "float16", int(13.5 * gib))  # 9 - 13.5 GiB < 24 / 8 = 3 GiB kept free
     assert dtype is None and "13.5 GiB" in why and "under the 3.0 GiB kept free" in why
+    _cpu(monkeypatch, amx=False, bf16=True, available_gib=22)  # the same 7B before its load: the weights count too
+    dtype, why = choose(None, "float16", int(13.5 * gib), loading_bytes=int(13.5 * gib))
+    assert dtype is None and "beside the weights (13.5 GiB)" in why
+    assert choose(None, "float16", int(13.5 * gib))[0] == "bfloat16"  # (22 - 13.5 > 3 without them)
+    assert choose(None, "float16", 2 * gib, loading_bytes=2 * gib)[0] == "bfloat16"  # a 1B: both fit
     assert choose(None, "float16", 2 * gib, kernels=False)[0] is None  # the reference pipeline's artifact
     _cpu(monkeypatch, amx=True, bf16=True, available_gib=20)
     assert choose(None, "float16", 2 * gib) == (None, "auto: this CPU has a native float16 GEMM (AMX)")

@@ -31,7 +31,7 @@ from picompile.runtime.load_pipeline import (
 from picompile.runtime.masks import masks_of
 
 GRAPH = ["flatten-signature", "bind-weights"]
-RUN = ["drop-metadata-asserts", "call-directly"]
+RUN = ["drop-metadata-asserts", "drop-noop-ops", "call-directly"]
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +111,8 @@ def test_print_after_and_dump_ir(split_artifact: Path, tmp_path: Path) -> None:
     assert "picompile.predict" in text["bind-weights"] and "picompile.predict" not in text["drop-masks"]
     assert "_assert_tensor_metadata" in text["schedule-hybrid"]
     assert "_assert_tensor_metadata" not in text["drop-metadata-asserts"]
+    casts = text["drop-metadata-asserts"].count("aten.to.dtype(")
+    assert casts > 0 and text["drop-noop-ops"].count("aten.to.dtype(") < casts  # float32 → float32 casts gone
 
 
 def test_print_after_all_prints_every_step(split_artifact: Path) -> None:
@@ -227,3 +229,42 @@ def test_step_errors_name_the_step(scratch_steps: Any) -> None:
     assert "picompile: raised in load step 'test-crashes'" in e.value.__notes__
     with pytest.raises(PicompileError, match="out of order"):  # a run executes its own list, in order
         LoadRun(["test-refuses", "test-crashes"]).run(_state(), ["test-crashes"])
+
+
+def test_drop_noop_ops_removes_only_what_does_nothing() -> None:
+    """drop-noop-ops alone on a tiny graph: a cast to the dtype x has and an unread detach_(lift_fresh_copy(c))
+    go; a real cast and a read constant copy stay; the outputs are unchanged."""
+    from torch import fx
+
+    from picompile.ir.graph import drop_noop_ops
+
+    aten = torch.ops.aten
+    x = torch.randn(4)
+    root = torch.nn.Module()
+    root.register_buffer("c", torch.zeros(0))
+    g = fx.Graph()
+    xn, cn = g.placeholder("x"), g.get_attr("c")
+    xn.meta["val"], cn.meta["val"] = x, root.c
+
+    def call(target: object, *args: object, val: torch.Tensor) -> fx.Node:
+        n = g.call_function(target, args)
+        n.meta["val"] = val
+        return n
+
+    same = call(aten.to.dtype, xn, torch.float32, val=x)  # x is float32 already: a no-op
+    y = call(aten.mul.Tensor, same, 2.0, val=x * 2)
+    unread = call(aten.lift_fresh_copy.default, cn, val=root.c)
+    call(aten.detach_.default, unread, val=root.c)  # read by nothing
+    kept = call(aten.lift_fresh_copy.default, cn, val=root.c)
+    half = call(aten.to.dtype, y, torch.float16, val=(x * 2).half())
+    total = call(aten.add.Tensor, call(aten.sum.default, y, val=x.sum()), call(aten.sum.default, kept, val=x.sum()),
+                 val=x.sum())
+    g.output((half, total))
+    gm = fx.GraphModule(root, g)
+    want = gm(x)
+    assert drop_noop_ops(gm) == {"casts": 1, "constant_copies": 1}
+    targets = [n.target for n in gm.graph.nodes]
+    assert targets.count(aten.to.dtype) == 1 and aten.detach_.default not in targets
+    assert targets.count(aten.lift_fresh_copy.default) == 1  # the one read stays
+    got = gm(x)
+    assert got[0].dtype == torch.float16 and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

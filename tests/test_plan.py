@@ -157,6 +157,8 @@ def test_tokens_per_s_scale_inversely_with_bytes() -> None:
     assert slow["target"]["cpu_bandwidth_source"] == "given on the command line"
     # int4 (q4_0, 4.5 bits) reads ~3.5x fewer weight bytes than fp16 on the CPU
     assert 3.0 < tps(plan("llama2-7b", "cpu", dtype="int4"), "cpu") / tps(f16, "cpu") < 3.6
+    # int8 (q8_0, 8.5 bits) ~1.9x fewer
+    assert 1.7 < tps(plan("llama2-7b", "cpu", dtype="int8"), "cpu") / tps(f16, "cpu") < 1.95
 
 
 def test_synthetic_profile_matches_its_parameters() -> None:
@@ -187,3 +189,20 @@ def test_gpu_sparse_and_balance_only_ever_help_the_hybrid(capsys: pytest.Capture
     assert main(["plan", "falcon-40b", "--dtype", "int4", "--balance", "--gpu-sparse", "--context", "128", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["assumptions"]["gpu_sparse"] and out["assumptions"]["balance"] and out["assumptions"]["context"] == 128
+
+
+def test_kernel_bandwidth_is_the_gemv_kernels_rate_beside_the_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--cpu-bandwidth kernel: the plan's CPU rate is what picompile's own GEMV kernel streams here (a share of
+    the read bandwidth measured in the same rounds), so the plan predicts the decode rather than its bound."""
+    from picompile.tools import plan as plan_mod
+    from picompile.tools.costmodel import measure_kernel_bandwidth
+
+    k = measure_kernel_bandwidth(threads=1, d_model=256, rows=256, mib=4, repeats=2)
+    assert k["kernel_gbs"] > 0 and k["read_gbs"] > 0 and k["threads"] == 1.0
+    monkeypatch.setattr(plan_mod, "measure_kernel_bandwidth", lambda: {"kernel_gbs": 20.0, "read_gbs": 40.0})
+    fast = plan("llama2-7b", "cpu", cpu_bandwidth=40.0)
+    kern = plan("llama2-7b", "cpu", cpu_bandwidth="kernel")
+    assert "GEMV kernel 20.0 GB/s (50% of the read bandwidth" in kern["target"]["cpu_bandwidth_source"]
+    assert tps(fast, "cpu_sparse") / tps(kern, "cpu_sparse") == pytest.approx(2.0, rel=0.02)
+    with pytest.raises(PicompileError, match="'kernel'"):
+        plan("llama2-7b", "cpu", cpu_bandwidth="fast")

@@ -116,6 +116,8 @@ def test_zero_sparsity_is_exactly_dense(silu_ckpt: Path, tmp_path: Path) -> None
                            calibration_tokens=256, input_loss_tokens=64, input_allocation="uniform")
     s = picompile.load(some)
     assert count_ops(s.graph).get("picompile::input_mask", 0) > 0
+    recorded = s.manifest.build  # the input-sparsity options that shaped it, so that it can be rebuilt alike
+    assert (recorded["input_sparsity"], recorded["input_allocation"], recorded["input_loss_tokens"]) == ("all", "uniform", 64)
     assert torch.allclose(picompile.load(some, dense=True).logits(IDS), a, atol=1e-4)
     with torch.no_grad():  # the masked graph (what decode and eval run; the prompt's prefill is dense)
         masked = s.graph(torch.tensor([IDS]), *s.empty_past())[0][0]

@@ -196,3 +196,11 @@ def test_bench_without_pytorch(tiny_artifact: Path, capsys: pytest.CaptureFixtur
                  "--no-dense-artifact"]) == 0
     text = capsys.readouterr().out
     assert "pytorch: skipped (--no-pytorch)" in text and "no PyTorch run" in text and "—" in text
+    from picompile.tools.bench import run_bench
+
+    kw = dict(tokens=2, repeats=1, threads=1, prompt_len=8, extras=False, copy_mib=16, read_mib=16, pytorch=False,
+              dense_artifact=False)
+    warm, plain = run_bench(tiny_artifact, warm_each_round=True, **kw), run_bench(tiny_artifact, **kw)
+    # the engines' files exceed the memory: the weights stay mapped (the page cache shared, as llama.cpp's mmap)
+    assert (warm["weights"], plain["weights"]) == ("mapped", "copied")
+    assert warm["bytes_per_token"] == plain["bytes_per_token"] and warm["ffn_active_fraction"] == plain["ffn_active_fraction"]

@@ -28,8 +28,10 @@ def add_parser(sub: Any) -> None:
                    help="skip the PyTorch eager baseline (skipped anyway, with the reason, when its checkpoint and the "
                         "artifact's weights together exceed the memory available)")
     p.add_argument("--warm-each-round", action="store_true",
-                   help="an untimed prefill before each timed round of the picompile engines (their weights back in "
-                        "the page cache when the engines' files together exceed the memory)")
+                   help="for engines whose files together exceed the memory (a 7B beside its GGUF): the artifact's "
+                        "weights mapped, not copied (the page cache shared with llama.cpp's mmap, as when each runs "
+                        "alone), and an untimed prefill before each timed round of the picompile engines (their "
+                        "weights back in the page cache)")
     p.add_argument("--llama-bench", metavar="PATH|auto",
                    help="time llama.cpp with its own llama-bench (tg and pp, -t = --threads), interleaved with the "
                         f"other engines; 'auto': the pinned build in the cache ({BUILD_COMMAND})")

@@ -25,7 +25,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--dtype", choices=list(DTYPE_BYTES), help="weight format (default float16; an artifact: its own)")
     p.add_argument("--sparsity", type=finite_float(0.0, 1.0), metavar="F", help="fraction of FFN neurons inactive per token (synthetic profile)")
     p.add_argument("--locality", type=finite_float(0.0, 1.0, lo_open=True), metavar="F", help="fraction of neurons carrying 80%% of activations (synthetic profile)")
-    p.add_argument("--cpu-bandwidth", metavar="GBS", help="host memory bandwidth in GB/s, 'host' (measured here) or 'measure'")
+    p.add_argument("--cpu-bandwidth", metavar="GBS", help="host memory bandwidth in GB/s, 'host' (measured here), 'measure' (the read "
+                   "bandwidth now: the bound) or 'kernel' (picompile's GEMV kernel now: what its decode reaches)")
     p.add_argument("--gpu-bandwidth", type=finite_float(0.0, 1e6, lo_open=True), metavar="GBS", help="GPU memory bandwidth in GB/s (overrides the target)")
     p.add_argument("--context", type=positive_int, default=d.context, metavar="N", help=f"tokens in the KV cache (default {d.context})")
     p.add_argument("--predictor-recall", type=finite_float(0.0, 1.0, lo_open=True), default=d.predictor_recall, metavar="F")

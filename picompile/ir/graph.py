@@ -50,6 +50,39 @@ def drop_metadata_asserts(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+def _val_dtype(node: object) -> torch.dtype | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
+def drop_noop_ops(gm: fx.GraphModule) -> dict[str, int]:
+    """Remove calls that do nothing but cost a Python call each per step (in place):
+
+    ``aten.to.dtype(x, d)`` where x is already d (HF's norms cast float32 to float32) → x;
+    ``aten.detach_(aten.lift_fresh_copy(c))`` whose result nothing reads (torch.export's copies of constant
+    tensors, e.g. an FFN part's empty rows) → gone. Returns how many of each went."""
+    aten = torch.ops.aten
+    counts = {"casts": 0, "constant_copies": 0}
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is aten.to.dtype and len(node.args) == 2 and not node.kwargs:
+            src, dtype = node.args
+            if isinstance(dtype, torch.dtype) and _val_dtype(src) == dtype == _val_dtype(node):
+                node.replace_all_uses_with(src)
+                gm.graph.erase_node(node)
+                counts["casts"] += 1
+        elif node.target is aten.detach_.default and not node.users:
+            src = node.args[0]
+            if isinstance(src, fx.Node) and src.target is aten.lift_fresh_copy.default and len(src.users) == 1:
+                gm.graph.erase_node(node)
+                gm.graph.erase_node(src)
+                counts["constant_copies"] += 1
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return counts
+
+
 def placeholders(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "placeholder"]
 

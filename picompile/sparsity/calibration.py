@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -137,7 +138,7 @@ def sampled_calibration(model: torch.nn.Module, config: dict[str, Any], vocab_si
     if ids is None or len(ids) != n_tokens or not all(0 <= t < vocab_size for t in ids):
         ids = sample_documents(model, n_tokens, seed)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".partial")
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")  # concurrent builds each write their own
         tmp.write_text(json.dumps(ids))
         tmp.replace(path)
     return torch.tensor(ids, dtype=torch.long), {

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -198,7 +199,7 @@ def store_curves(cache_dir: Path, key: str, names: Sequence[str], curves: Sequen
     path = Path(cache_dir) / "curves" / f"{key}.json"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".partial")
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")  # concurrent builds each write their own
         tmp.write_text(json.dumps({"groups": list(names), "curves": [list(map(float, c)) for c in curves]}))
         tmp.replace(path)
     except OSError:

@@ -98,7 +98,7 @@ class BenchOptions:
     prefill_dtype: str | None
     onnxruntime: bool = True  # with extras: ONNX Runtime too
     pytorch: bool = True  # the PyTorch eager baseline (skipped, with the reason, where its weights cannot stay resident)
-    warm_each_round: bool = False  # an untimed prefill before each timed round of the picompile engines
+    warm_each_round: bool = False  # weights mapped, and an untimed prefill before each timed round of picompile's
 
     def checked(self) -> "BenchOptions":
         """These options with the thread count resolved; a PicompileError names the first bad one."""
@@ -211,7 +211,10 @@ def _lineup(artifact: str | Path, opts: BenchOptions, emit: Emit) -> Lineup:
     assert opts.threads is not None
     torch.set_num_threads(opts.threads)
     emit(f"loading {artifact}")
-    session = picompile.load(artifact, hybrid="off")  # its byte and mask accounting reads the unscheduled parts
+    # its byte and mask accounting reads the unscheduled parts; warm_each_round: the engines' files exceed the
+    # memory together, so the weights stay on the file's mapping (else 13.5 GB of anonymous copies of a 7B leave
+    # llama.cpp's mmap a part of the page cache, and it reads from disk every token)
+    session = picompile.load(artifact, hybrid="off", weights="mapped" if opts.warm_each_round else "copied")
     compiled = compiled_view(session) if opts.compile else None
     manifest = session.manifest
     try:
@@ -475,6 +478,7 @@ def _result(artifact: str | Path, opts: BenchOptions, lineup: Lineup, rates: dic
         "target": manifest.target.get("name"),
         "predictor": manifest.build.get("predictor"),
         "weight_dtype": manifest.weights.get("dtype", "float32"),
+        "weights": "mapped" if opts.warm_each_round else "copied",  # the session's (picompile.load(weights=…))
     }
 
 

@@ -56,7 +56,8 @@ GB: float = 1e9
 GiB: int = 1 << 30
 
 #: bytes per weight. int4 is llama.cpp's q4_0: 32 weights in 16 bytes + one fp16 scale = 18 bytes.
-DTYPE_BYTES: dict[str, float] = {"float16": 2.0, "float32": 4.0, "int4": 18.0 / 32.0}
+# bytes per weight; int8 / int4: blocks of 32 quants and one float16 scale (kernels/qformat.py's default block)
+DTYPE_BYTES: dict[str, float] = {"float16": 2.0, "float32": 4.0, "int8": 34.0 / 32.0, "int4": 18.0 / 32.0}
 
 #: CPU read bandwidth measured on the development machine (2 shared cores, 2 threads, torch; medians
 #: of 15 rounds over 256 MiB buffers, several runs). Used by ``--cpu-bandwidth host``; the presets keep
@@ -448,6 +449,58 @@ def measure_cpu_bandwidth(threads: int = 2, mib: int = 1024, repeats: int = 9) -
         dst = np.empty_like(src)
         reads, copies = _bench(lambda: np.copyto(dst, src), lambda: src.sum(), n * 4, repeats, time.perf_counter)
     return {"read_gbs": statistics.median(reads), "copy_gbs": statistics.median(copies), "threads": float(threads)}
+
+
+def measure_kernel_bandwidth(threads: int = 2, d_model: int = 4096, rows: int = 4096, mib: int = 1024,
+                             repeats: int = 9) -> dict[str, float]:
+    """Median GB/s of picompile's own one-token float16 GEMV kernel (TVM, kind ``up`` over every row, as a decode
+    step's q/k/v/o and lm_head run) on ``[rows, d_model]`` weights rotated over copies totalling ``mib`` MiB (each
+    call reads from DRAM), with ``threads`` threads; beside it the read bandwidth (a sum) in the same rounds.
+
+    A decode step's kernels reach a share of the read bandwidth (their rows' per-row work, the FFN's scattered
+    rows, the glue between them), so a plan at this rate predicts what picompile decodes here; at the read
+    bandwidth it gives the bound."""
+    import statistics
+    import time
+
+    import torch
+
+    from picompile.config import kernel_cache_dir
+    from picompile.kernels import KernelSpec, aligned_empty, build_kernel, load_kernel, num_threads, set_num_threads
+
+    spec = KernelSpec("up", "none", d_model, rows, "float16", False, "llvm")
+    kern = load_kernel(build_kernel(spec, kernel_cache_dir()), spec)
+    old_tvm, old_torch = num_threads(), torch.get_num_threads()
+    set_num_threads(threads)
+    torch.set_num_threads(threads)
+    try:
+        one = rows * d_model * 2
+        ws = []
+        for _ in range(max(2, (mib << 20) // one)):
+            w = aligned_empty((rows, d_model), torch.float16)  # [rows, d_model]
+            w.copy_(torch.randn(rows, d_model))
+            ws.append(w)
+        x, y = aligned_empty((d_model,)), aligned_empty((rows,))
+        x.copy_(torch.randn(d_model))
+        idx = aligned_empty((rows,), torch.int32)
+        idx.copy_(torch.arange(rows, dtype=torch.int32))
+        buf = torch.ones(mib << 18)  # float32: mib MiB
+        gemv, reads = [], []
+        for w in ws:  # warm-up (page faults)
+            kern(x, w, None, None, idx, y)
+        buf.sum()
+        for _ in range(repeats):
+            t = time.perf_counter()
+            for w in ws:
+                kern.unchecked(x, w, None, None, idx, y)  # type: ignore[attr-defined]
+            gemv.append(one * len(ws) / (time.perf_counter() - t) / GB)
+            t = time.perf_counter()
+            buf.sum()
+            reads.append(buf.numel() * 4 / (time.perf_counter() - t) / GB)
+    finally:
+        set_num_threads(old_tvm)
+        torch.set_num_threads(old_torch)
+    return {"kernel_gbs": statistics.median(gemv), "read_gbs": statistics.median(reads), "threads": float(threads)}
 
 
 def _bench(copy_fn: Any, read_fn: Any, nbytes: int, repeats: int, clock: Any) -> tuple[list[float], list[float]]:

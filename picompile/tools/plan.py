@@ -1,7 +1,7 @@
 """``picompile plan``: predicted decode tokens/s of a model on a target, three strategies side by side.
 
-    picompile plan MODEL_OR_CONFIG [--target rtx4090] [--vram-budget GiB] [--dtype float16|float32|int4]
-                   [--sparsity F] [--locality F] [--cpu-bandwidth GBs|host|measure] [--json] …
+    picompile plan MODEL_OR_CONFIG [--target rtx4090] [--vram-budget GiB] [--dtype float16|float32|int8|int4]
+                   [--sparsity F] [--locality F] [--cpu-bandwidth GBs|host|measure|kernel] [--json] …
 
 MODEL_OR_CONFIG: a Hugging Face checkpoint directory or its config.json (no weights are read), a
 picompile artifact (its model config, recorded activation counts and predictor sizes), or a built-in
@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from picompile.tools.costmodel import DTYPE_BYTES, MEASURED_HOST_CPU_GBS, CostModel, StrategyCost, measure_cpu_bandwidth
+from picompile.tools.costmodel import (DTYPE_BYTES, MEASURED_HOST_CPU_GBS, CostModel, StrategyCost, measure_cpu_bandwidth,
+                                       measure_kernel_bandwidth)
 from picompile.tools.plan_inputs import Assumptions, ModelInputs, load_model_inputs
 from picompile.errors import PicompileError
 from picompile.targets import Target, get_target
@@ -22,7 +23,8 @@ STRATEGY_ORDER: tuple[str, ...] = ("hybrid", "layer_offload", "cpu", "layer_offl
 
 
 def _cpu_bandwidth(value: str | float | None) -> tuple[float | None, str]:
-    """``--cpu-bandwidth``: a number of GB/s, ``host`` (the figure measured here) or ``measure`` (now)."""
+    """``--cpu-bandwidth``: a number of GB/s, ``host`` (the figure measured here), ``measure`` (the read bandwidth,
+    now: the bound) or ``kernel`` (picompile's own GEMV kernel's rate, now: what its decode reaches)."""
     if value is None:
         return None, "preset"
     if isinstance(value, str):
@@ -32,10 +34,15 @@ def _cpu_bandwidth(value: str | float | None) -> tuple[float | None, str]:
         if v == "measure":
             m = measure_cpu_bandwidth()
             return m["read_gbs"], f"measured now: median read {m['read_gbs']:.1f} GB/s, copy {m['copy_gbs']:.1f} GB/s, 2 threads"
+        if v == "kernel":
+            k = measure_kernel_bandwidth()
+            return k["kernel_gbs"], (f"measured now: picompile's float16 GEMV kernel {k['kernel_gbs']:.1f} GB/s "
+                                     f"({k['kernel_gbs'] / k['read_gbs']:.0%} of the read bandwidth, "
+                                     f"{k['read_gbs']:.1f} GB/s), 2 threads")
         try:
             value = float(v)
         except ValueError:
-            raise PicompileError(f"--cpu-bandwidth takes GB/s, 'host' or 'measure', got {value!r}") from None
+            raise PicompileError(f"--cpu-bandwidth takes GB/s, 'host', 'measure' or 'kernel', got {value!r}") from None
     if not value > 0:
         raise PicompileError(f"--cpu-bandwidth must be > 0 GB/s, got {value}")
     return float(value), "given on the command line"
