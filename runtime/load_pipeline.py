@@ -150,6 +150,18 @@ def check_print_after(steps: list[str], wanted: list[str]) -> None:
                          f"{', '.join(steps) or 'no steps'}")
 
 
+def resident_bytes() -> int:
+    """This process's resident memory now (``VmRSS``; 0 where /proc is not there)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 @dataclass
 class LoadRun:
     """One load's steps and how to show them; ``run`` executes the next of them on a ``LoadState``."""
@@ -159,6 +171,7 @@ class LoadRun:
     dump_ir: Optional[Path] = None  # one NNN_step.txt per step
     emit: Callable[[str], None] = print
     seconds: dict[str, float] = field(default_factory=dict)  # per step run so far
+    rss_bytes: dict[str, int] = field(default_factory=dict)  # this process's resident memory after each step
     done: int = 0  # steps run so far
 
     def __post_init__(self) -> None:
@@ -183,6 +196,7 @@ class LoadRun:
         with named_step("load step", step.name):
             step.fn(state)
         self.seconds[step.name] = time.perf_counter() - start
+        self.rss_bytes[step.name] = resident_bytes()
         self.done += 1
         graphs = state.graphs(step.writes)
         if not graphs:

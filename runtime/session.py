@@ -95,6 +95,7 @@ class Session:
         run.run(state, names)
         self.load_steps: list[str] = list(run.steps)  # every step of the load that made this session, in order
         self.load_seconds: dict[str, float] = dict(run.seconds)  # per step
+        self.load_rss_bytes: dict[str, int] = dict(run.rss_bytes)  # resident memory after each step
         return state
 
     @property

@@ -101,6 +101,7 @@ def test_print_after_and_dump_ir(split_artifact: Path, tmp_path: Path) -> None:
                              dump_ir=tmp_path / "ir", emit=printed.append)
     steps = session.load_steps
     assert steps == GRAPH + ["drop-masks", "schedule-hybrid", *RUN, "dense-prefill", "kv-arenas", "last-logits"]
+    assert list(session.load_rss_bytes) == steps and all(v > 0 for v in session.load_rss_bytes.values())
     assert [t.splitlines()[0] for t in printed] == ["# ---- graph graph after load step schedule-hybrid ----",
                                                    "# ---- decode = prefill graph after load step kv-arenas ----"]
     assert printed[0].count("hybrid_ffn_") >= 2 and "kv_arena0" in printed[1]

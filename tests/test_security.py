@@ -412,10 +412,27 @@ def test_stale_partials_swept_live_ones_kept(tmp_path: Path) -> None:
     assert sorted(p.name for p in (tmp_path / "out.pic").iterdir()) == ["manifest.json"]  # the marker is gone
 
 
+# the CLI in a child whose build holds its staging directory open (a tiny build would otherwise finish between
+# two polls of the parent, and the signal would find nothing to clean up)
+HELD_BUILD = """
+import contextlib, sys, time
+import picompile.builder as builder
+real = builder.staged_output
+@contextlib.contextmanager
+def held(output):
+    with real(output) as staging:
+        time.sleep(60)
+        yield staging
+builder.staged_output = held
+from picompile.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_signal_cleans_up(sig: int, checkpoints: dict, tmp_path: Path) -> None:
     out = tmp_path / "t.pic"
-    proc = subprocess.Popen([sys.executable, "-m", "picompile", "build", str(checkpoints[("llama", "relu")]), "-o",
+    proc = subprocess.Popen([sys.executable, "-c", HELD_BUILD, "build", str(checkpoints[("llama", "relu")]), "-o",
                              str(out), "-q", "--pipeline", "dense"], stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while not any(p.name.endswith(".partial") for p in tmp_path.iterdir()):
