@@ -790,3 +790,20 @@ def test_fuzz_artifact(default_artifact: Path, tmp_path: Path, guarded_openers: 
         KERNEL_TABLE.update(saved)
     assert problems == []
     assert outcomes["refused"] >= FUZZ_MIN_CASES // 2, outcomes
+
+
+def test_interrupt_while_the_staging_dir_is_made_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A signal between the staging directory's mkdir and its marker (the window a fast build's SIGTERM hit) still
+    finds the directory to remove: staged_output names it before it is made."""
+    from picompile.formats import staging as staging_mod
+    from picompile.formats.artifact import staged_output
+
+    def interrupted(path: Path) -> Path:
+        os.mkdir(path, 0o700)
+        raise KeyboardInterrupt  # as BuildTerminated is, from the SIGTERM handler
+
+    monkeypatch.setattr(staging_mod, "create_staging", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        with staged_output(tmp_path / "out.pic"):
+            pass
+    assert list(tmp_path.iterdir()) == []

@@ -204,7 +204,8 @@ def staged_output(output: Path) -> Iterator[Path]:
     An existing artifact is replaced only after the new one is complete; any other non-empty path is
     refused. Staging dirs of dead builds (their recorded pid gone) beside ``output`` are swept first.
     """
-    from picompile.formats.staging import make_staging, remove_marker, sweep_stale, termination_as_interrupt
+    from picompile.formats.staging import (create_staging, make_staging, remove_marker, staging_name, sweep_stale,
+                                           termination_as_interrupt)
 
     output = Path(output).absolute()
     if output.exists() or output.is_symlink():
@@ -214,8 +215,9 @@ def staged_output(output: Path) -> Iterator[Path]:
     output.parent.mkdir(parents=True, exist_ok=True)
     sweep_stale(output.parent)
     with termination_as_interrupt():
-        staging = make_staging(output, "partial")
+        staging = staging_name(output, "partial")  # named first: a signal while it is made still finds it
         try:
+            create_staging(staging)
             yield staging
             remove_marker(staging)
             _normal_permissions(staging)

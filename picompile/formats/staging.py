@@ -13,7 +13,6 @@ import os
 import re
 import shutil
 import signal
-import tempfile
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,11 +26,24 @@ class BuildTerminated(KeyboardInterrupt):
     """SIGTERM or SIGHUP arrived during a build (handled like Ctrl-C: nothing is left behind)."""
 
 
-def make_staging(output: Path, kind: str) -> Path:
-    """A new private dir ``.NAME.PID.XXXX.KIND`` beside ``output``, marked with this process's pid."""
-    path = Path(tempfile.mkdtemp(prefix=f".{output.name}.{os.getpid()}.", suffix=f".{kind}", dir=output.parent))
+def staging_name(output: Path, kind: str) -> Path:
+    """A fresh name ``.NAME.PID.XXXXXXXX.KIND`` beside ``output`` (nothing is created: see ``create_staging``)."""
+    import secrets
+
+    return output.parent / f".{output.name}.{os.getpid()}.{secrets.token_hex(4)}.{kind}"
+
+
+def create_staging(path: Path) -> Path:
+    """Create the private dir ``path`` (a ``staging_name``) and mark it with this process's pid. The caller holds
+    the name before this runs, so a signal arriving between the directory and the marker still finds it to remove."""
+    os.mkdir(path, 0o700)
     (path / STAGING_MARKER).write_text(f"{os.getpid()}\n")
     return path
+
+
+def make_staging(output: Path, kind: str) -> Path:
+    """A new private dir ``.NAME.PID.XXXXXXXX.KIND`` beside ``output``, marked with this process's pid."""
+    return create_staging(staging_name(output, kind))
 
 
 def remove_marker(staging: Path) -> None:
