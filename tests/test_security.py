@@ -432,8 +432,10 @@ sys.exit(main(sys.argv[1:]))
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_signal_cleans_up(sig: int, checkpoints: dict, tmp_path: Path) -> None:
     out = tmp_path / "t.pic"
+    # the child's signal starts at its default: under nohup (SIGHUP ignored, which a build respects) it would run on
     proc = subprocess.Popen([sys.executable, "-c", HELD_BUILD, "build", str(checkpoints[("llama", "relu")]), "-o",
-                             str(out), "-q", "--pipeline", "dense"], stderr=subprocess.PIPE, text=True)
+                             str(out), "-q", "--pipeline", "dense"], stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(sig, signal.SIG_DFL))
     deadline = time.time() + 120
     while not any(p.name.endswith(".partial") for p in tmp_path.iterdir()):
         assert proc.poll() is None and time.time() < deadline, "the build ended before its staging dir appeared"
