@@ -1,6 +1,6 @@
 """Resident memory of a load, step by step, then after generating (issue #24: decode RSS ≤ artifact + 1 GiB).
 
-    python benchmarks/load_memory.py ART [--weights copied|mapped] [--prefill-dtype auto|weights|bfloat16] [-n 8]
+    python benchmarks/load_memory.py ART [--weights copied|mapped] [--prefill-dtype auto|weights|bfloat16|bfloat16-stream] [-n 8]
 
 Prints each load step's seconds and the process's RSS after it (``session.load_seconds`` /
 ``load_rss_bytes``), the peak RSS (VmHWM) after the load and after ``-n`` greedy tokens from a 4-token prompt,
@@ -22,7 +22,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("artifact", type=Path)
     ap.add_argument("--weights", choices=["copied", "mapped"], default="copied")
-    ap.add_argument("--prefill-dtype", default=None, help="auto (default), weights or bfloat16")
+    ap.add_argument("--prefill-dtype", default=None, help="auto (default), weights, bfloat16 or bfloat16-stream")
     ap.add_argument("-n", type=int, default=8, help="tokens to generate after the load")
     args = ap.parse_args()
     size = sum(p.stat().st_size for p in args.artifact.rglob("*") if p.is_file())

@@ -1,6 +1,6 @@
 """Prefill of a float16 or int8 / int4 artifact per prefill path, side by side in one process (or one path per process).
 
-    python benchmarks/prefill.py ART [--prompt-len 64,512] [--rounds 5] [--settings auto,weights,float16,bfloat16]
+    python benchmarks/prefill.py ART [--prompt-len 64,512] [--rounds 5] [--settings auto,weights,float16,bfloat16,bfloat16-stream]
     python benchmarks/prefill.py --gemm [--prompt-len 64,512] [--rounds 5] [--shape 2048,5632]
 
 ``--gemm``: each prefill GEMM path alone on the FFN's up shape ``[rows, d_model] × [n_ff, d_model]ᵀ`` (GFLOP/s,
@@ -12,7 +12,8 @@ packed FFN's fused up+gate ``[2·n_ff, d_model]`` and down ``[d_model, n_ff]`` G
 (``picompile.ir.ops.native_half_gemm``: AMD EPYC, Intel without AMX) ``ops.lin`` widens each float16 weight to
 float32 for a call with a transposed weight or ``WIDEN_ROWS``+ rows of x. ``float16``: the same session with
 torch's float16 GEMM for every call (very slow on those CPUs). ``bfloat16``: ``prefill_dtype="bfloat16"``
-(bfloat16 copies; hybrid FFN layers as one packed ``PrefillFFN``, ``runtime/prefill_gemm.py``). ``auto``: the
+(bfloat16 copies; hybrid FFN layers as one packed ``PrefillFFN``, ``runtime/prefill_gemm.py``).
+``bfloat16-stream``: the same GEMMs without copies, each weight converted per call (``runtime/prefill_stream.py``). ``auto``: the
 default load (``runtime/compute_dtype.choose``; it prints which dtype it chose). On an int8 / int4 artifact
 ``weights`` dequantizes each weight to float32 per call (``ops.deq``) and ``auto`` takes the bfloat16 copies
 where this CPU has a fast bfloat16 GEMM and the copy fits. Each prefill computes every position's logits
@@ -28,12 +29,11 @@ import argparse
 import statistics
 import time
 
+import picompile  # first: it sets OMP_WAIT_POLICY=PASSIVE before torch loads OpenMP (picompile/__init__.py)
 import torch
-
-import picompile
 from picompile.ir import ops
 
-SETTINGS = ("auto", "weights", "float16", "bfloat16")
+SETTINGS = ("auto", "weights", "float16", "bfloat16", "bfloat16-stream")
 
 
 def gemm_table(rows_list: list[int], d_model: int, n_ff: int, rounds: int) -> None:
@@ -94,7 +94,8 @@ def main() -> None:
     unknown = set(names) - set(SETTINGS)
     if unknown or not names:
         raise SystemExit(f"--settings: unknown {', '.join(sorted(unknown)) or '(none given)'}")
-    loads = {"auto": None, "weights": "weights", "float16": "weights", "bfloat16": "bfloat16"}
+    loads = {"auto": None, "weights": "weights", "float16": "weights", "bfloat16": "bfloat16",
+             "bfloat16-stream": "bfloat16-stream"}
     sessions: dict[str, picompile.Session] = {}
     for name in names:
         key = loads[name]

@@ -155,6 +155,16 @@ def _compile_cpu(spec: KernelSpec, out: Path, mcpu: str | None = None, integer_d
         lib = tvm.compile(mod, target=cpu.host_target(mcpu))
         lib.export_library(str(out))
         return {"batched": False, "arg_names": ["x", "mask", "w_t", "y"], "functions": [key]}
+    if spec.kind == "dequant":  # rows symbolic, one form (kernels/dequant.py)
+        from . import dequant
+
+        if not dequant.supports(spec):
+            raise ValueError("kind 'dequant' needs float16 / int8 / int4 weights and d_model a multiple of 32")
+        target = cpu.host_target(mcpu)
+        mod = tvm.IRModule({key: dequant.describe(spec, cpu.build_cores(), target).with_attr("global_symbol", key)})
+        tvm.compile(mod, target=target).export_library(str(out))
+        names = ["w_up", "s_up", "out"] if spec.quantized else ["w_up", "out"]
+        return {"batched": False, "arg_names": names, "functions": [key]}
     if spec.kind in ("gemv", "gemv_down"):  # several tokens, one form (kernels/batch_gemv.py), under both names
         from . import batch_gemv
 

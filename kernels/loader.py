@@ -269,6 +269,11 @@ def _signature(spec: KernelSpec, batched: bool) -> list[_Arg]:
     if spec.kind == "input_sparse":  # one token only (kernels/input_sparse.py)
         return [_Arg("x", torch.float32, (n,)), _Arg("mask", torch.int8, (n,)), _Arg("w_t", w, (n, d)),
                 _Arg("y", torch.float32, (d,))]
+    if spec.kind == "dequant":  # rows symbolic (kernels/dequant.py)
+        q = {"int8": _Arg("w_up", torch.int8, ("r", d)), "int4": _Arg("w_up", torch.uint8, ("r", d // 2))}.get(
+            spec.weight_dtype, _Arg("w_up", w, ("r", d)))
+        scales = [_Arg("s_up", torch.float16, ("r", d // spec.block))] if spec.quantized else []
+        return [q, *scales, _Arg("out", torch.bfloat16, ("r", d))]
     if spec.kind == "gemv":  # several tokens in both forms (kernels/batch_gemv.py)
         return [_Arg("x", torch.float32, ("t", d)), _Arg("w_up", w, (n, d)), _Arg("idx", torch.int32, ("k",)),
                 _Arg("h", torch.float32, ("t", "k"))]
@@ -332,6 +337,7 @@ CALL_ARGS: dict[str, tuple[str, ...]] = {
     "input_sparse": ("x", "mask", "w_t", "y"),
     "gemv": ("x", "w_up", "idx", "h"),
     "gemv_down": ("h", "w_down_t", "idx", "y"),
+    "dequant": ("w_up", "out"),
 }
 
 
@@ -400,6 +406,8 @@ class SparseKernel:
         return named
 
     def _is_batched(self, named: dict[str, torch.Tensor | None]) -> bool:
+        if self.spec.kind == "dequant":
+            return False
         first = named["h"] if self.spec.kind in ("down", "gemv_down") else named["x"]
         return isinstance(first, torch.Tensor) and first.dim() == 2
 
@@ -438,7 +446,7 @@ class SparseKernel:
         return ordered
 
     def _launch(self, ordered: list[torch.Tensor], batched: bool) -> None:
-        if self.spec.kind not in ("predict", "input_sparse") and ordered[-2].numel() == 0:  # ordered[-2] is idx: k = 0, no active row
+        if self.spec.kind not in ("predict", "input_sparse", "dequant") and ordered[-2].numel() == 0:  # ordered[-2] is idx: k = 0, no active row
             # y = 0 and h is empty. The compiled functions handle k = 0 themselves (one code path for
             # every k), but TVM rejects the strides torch gives an empty [t, 0] tensor and a CUDA grid
             # of 0 blocks is an invalid launch, so the trivial result is written here.

@@ -33,6 +33,10 @@ rows, each row read once for all: ``x`` ``[t, d_model]``, ``w_up`` ``[n_rows, d_
 Kind ``gemv_down`` (same file): ``down`` for several tokens, each selected row read once for all:
 ``y[t] = sum_j h[t, j] * w_down_t[idx[j]]`` (``h`` ``[t, k]``, ``y`` ``[t, d_model]``).
 
+Kind ``dequant`` (CPU only, float16/int8/int4; ``kernels/dequant.py``): a stored weight's bfloat16 values for
+prefill's GEMMs, ``out[r] = bf16(w[r])`` (``w_up`` its quants / float16 array, ``s_up`` its scales, ``out``
+bfloat16 ``[rows, d_model]``); rows are symbolic, so ``n_rows`` is 1 (one kernel per format, width and block).
+
 Kind ``predict`` (CPU only) is a whole activation predictor in one call, for one token:
 ``fc1`` ``[rank, d_model]``, ``fc2`` ``[n_rows, rank]`` (``weight_dtype``), optional ``offset`` ``[n_rows]``
 float32 (``has_bias``), ``thr`` float32 ``[1]``; it writes the int8 mask
@@ -46,11 +50,13 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-KernelKind = Literal["ffn_relu", "ffn_gated", "up", "up_gated", "down", "predict", "input_sparse", "gemv", "gemv_down"]
+KernelKind = Literal["ffn_relu", "ffn_gated", "up", "up_gated", "down", "predict", "input_sparse", "gemv", "gemv_down",
+                     "dequant"]
 Activation = Literal["relu", "silu", "drelu", "none"]
 WeightDType = Literal["float32", "float16", "int8", "int4"]
 
-KINDS: tuple[str, ...] = ("ffn_relu", "ffn_gated", "up", "up_gated", "down", "predict", "input_sparse", "gemv", "gemv_down")
+KINDS: tuple[str, ...] = ("ffn_relu", "ffn_gated", "up", "up_gated", "down", "predict", "input_sparse", "gemv", "gemv_down",
+                          "dequant")
 ACTS: tuple[str, ...] = ("relu", "silu", "drelu", "none")
 WEIGHT_DTYPES: tuple[str, ...] = ("float32", "float16")  # float weights (every kind, CPU and CUDA)
 QUANT_DTYPES: tuple[str, ...] = ("int8", "int4")  # quantized weights, layout: kernels/qformat.py
@@ -145,6 +151,10 @@ class KernelSpec:
         if self.kind in ("gemv", "gemv_down"):  # kernels/batch_gemv.py
             if self.is_cuda or self.quantized or self.has_bias or self.act != "none":
                 raise KernelSpecError(f"kind {self.kind!r} is CPU (llvm), float32/float16, act 'none', no bias")
+        if self.kind == "dequant":  # kernels/dequant.py
+            if self.is_cuda or self.weight_dtype == "float32" or self.has_bias or self.act != "none" or self.n_rows != 1:
+                raise KernelSpecError("kind 'dequant' is CPU (llvm), float16/int8/int4, act 'none', no bias, n_rows 1 "
+                                      "(its rows are symbolic)")
         if self.quantized:
             if self.block not in QUANT_BLOCKS:
                 raise KernelSpecError(f"block must be one of {QUANT_BLOCKS}, got {self.block!r}")
@@ -174,7 +184,7 @@ class KernelSpec:
 
     @property
     def has_up(self) -> bool:
-        return self.kind not in ("down", "predict", "input_sparse", "gemv", "gemv_down")
+        return self.kind not in ("down", "predict", "input_sparse", "gemv", "gemv_down", "dequant")
 
     @property
     def has_down(self) -> bool:

@@ -12,15 +12,18 @@ artifact's own weights through its kernels. A hybrid-scheduled FFN layer becomes
 
 Which dtype prefill runs in (``choose``): ``prefill_dtype="auto"`` (the default) is bfloat16 for a float16
 artifact on a CPU with AVX512-BF16 and no native float16 GEMM (AMD Zen 4, Intel Cooper Lake), where the
-alternative is widening every weight to float32 per call, when the copy fits in the memory available with
-``RESERVE_BYTES`` to spare (and the artifact has kernels: the reference pipeline's keeps exact reference math);
-elsewhere the weights' own dtype (AMX CPUs keep their native float16 GEMM; float32
-artifacts keep float32). ``"weights"`` is the weights' own dtype, ``"bfloat16"`` forces the copy.
-Quantized weights (int8 / int4 artifacts) get dequantized copies in ``dtype`` (their scales dropped from the
-prefill nodes): the memory of a bfloat16 model besides the quantized one. ``"auto"`` takes that copy on any CPU
-with a fast bfloat16 GEMM (AMX or AVX512-BF16) where it fits (:func:`copy_bytes`: the dequantized size, from the
-weight file's header): the weights' own path dequantizes each weight to float32 per call and runs a float32
-GEMM, ~5-10x slower; where it does not fit, or without such a GEMM, prefill keeps that path.
+alternative is widening every weight to float32 per call, and for an int8 / int4 artifact on any CPU with a fast
+bfloat16 GEMM (AMX or AVX512-BF16), where the alternative dequantizes each weight to float32 per call for a
+float32 GEMM (~5-10x slower); elsewhere the weights' own dtype (AMX CPUs keep their native float16 GEMM; float32
+artifacts keep float32; an artifact without kernels keeps the reference pipeline's exact math). Two forms:
+``"bfloat16"`` — copies made once at load (quantized weights dequantized, their scales dropped from the prefill
+nodes): the memory of a bfloat16 model besides the artifact's (:func:`copy_bytes`, from the weight file's
+header); ``"bfloat16-stream"`` — no copies, each weight converted per call into one reused buffer
+(``runtime/prefill_stream.py``: the same GEMMs, the same values, ~20 % slower at 64 tokens, ~6 % at 512).
+"auto" takes the copies where they fit with ``RESERVE_BYTES`` (or an eighth of the memory) to spare and cost at
+most ``1/COPY_SHARE`` of the machine's memory (a small model: 1.9 GiB for the 1B int4), and streams otherwise (a
+7B: 13 GiB of copies). ``"weights"`` is the weights' own dtype; ``"bfloat16"`` / ``"bfloat16-stream"`` force
+either form.
 """
 from __future__ import annotations
 
@@ -32,11 +35,12 @@ import torch
 from torch import fx
 
 from picompile.errors import InputError
-from picompile.ir.graph import shared_copy
+from picompile.ir.graph import get_tensor, shared_copy
 from picompile.ir.ops import call_directly, deq
 from picompile.ir.patterns import SCALE_ARGS
 from picompile.ir.schema import arg_names, args_of, call_args, node_op
-from picompile.runtime.prefill_gemm import Packed, pack_ffn
+from picompile.runtime.prefill_gemm import Packed, node_parts, pack_ffn
+from picompile.runtime.prefill_stream import Scratch, StreamedFFN, StreamedLinear
 
 aten = torch.ops.aten
 _OPS = torch.ops.picompile
@@ -53,7 +57,8 @@ _WEIGHTS: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 _ATEN_LINEAR = {"input": "x", "weight": "w", "bias": "b"}  # aten.linear's argument names → picompile::linear's
 
-COMPUTE_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16}
+COMPUTE_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "bfloat16-stream": torch.bfloat16}
+STREAMED: tuple[str, ...] = ("bfloat16-stream",)  # no copies: each weight converted per call (prefill_stream.py)
 PREFILL_DTYPES: tuple[str, ...] = ("auto", "weights", *COMPUTE_DTYPES)  # what prefill_dtype may name (None: auto)
 # memory the "auto" copy must leave available: the larger of this and an eighth of the machine's memory
 RESERVE_BYTES = 2 << 30
@@ -73,7 +78,7 @@ def resolve(name: str | None) -> torch.dtype | None:
     if dtype is None:
         raise InputError(f"prefill_dtype must be one of {', '.join(PREFILL_DTYPES)} (or None: auto), got {name!r}")
     if not has_bf16_gemm():
-        raise InputError("prefill_dtype='bfloat16' needs a CPU with AMX or AVX512-BF16 (this one has neither: "
+        raise InputError(f"prefill_dtype={name!r} needs a CPU with AMX or AVX512-BF16 (this one has neither: "
                          "its bfloat16 GEMMs would be slower than float32 ones)")
     return dtype
 
@@ -110,9 +115,27 @@ def _fits(copy_bytes: int, loading_bytes: int = 0) -> tuple[bool, str]:
                    f"available, under the {reserve / 2**30:.1f} GiB kept free")
 
 
+COPY_SHARE = 8  # "auto" takes bfloat16 copies only where they cost at most 1/COPY_SHARE of the machine's memory
+
+
+def _copy_or_stream(copy_bytes: int, loading_bytes: int) -> tuple[bool, str]:
+    """Whether "auto" takes the bfloat16 copy (it fits, ``_fits``, and costs at most an eighth of the machine's
+    memory: a small model's copies buy ~20 % faster short prompts for little) or streams the weights instead
+    (``runtime/prefill_stream.py``: the same GEMMs, no copy), and why it streams."""
+    total = _meminfo().get("MemTotal", 0)
+    fits, why = _fits(copy_bytes, loading_bytes)
+    if fits and copy_bytes <= total // COPY_SHARE:
+        return True, ""
+    if fits:
+        why = (f"a bfloat16 copy ({copy_bytes / 2**30:.1f} GiB) would be more than 1/{COPY_SHARE} of the "
+               f"machine's {total / 2**30:.1f} GiB")
+    return False, f"{why}: each weight converted to bfloat16 per call instead (no copy)"
+
+
 def choose(name: str | None, weight_dtype: str, copy_bytes: int, kernels: bool = True,
            loading_bytes: int = 0) -> tuple[str | None, str]:
-    """The prefill dtype a load runs ("bfloat16", or None: the weights' own) and why, for ``prefill_dtype``
+    """The prefill dtype a load runs ("bfloat16": copies, "bfloat16-stream": no copies, or None: the weights'
+    own) and why, for ``prefill_dtype``
     ``name`` on an artifact whose GEMM weights are ``weight_dtype``, a bfloat16 copy of which costs
     ``copy_bytes``; ``kernels``: the artifact has TVM kernels (without, it is the reference pipeline's: exact
     reference math); ``loading_bytes``: the weights the load has yet to read (made before the load: its file).
@@ -120,7 +143,8 @@ def choose(name: str | None, weight_dtype: str, copy_bytes: int, kernels: bool =
     float16 weights: bfloat16 on AVX512-BF16 without a native float16 GEMM (AMX keeps its float16 GEMM).
     int8 / int4 weights: bfloat16 on any CPU with a fast bfloat16 GEMM (AMX or AVX512-BF16): their own path
     dequantizes every weight to float32 per call and runs a float32 GEMM, 5–10x slower on the 1B model here.
-    Either only where the copy fits (``_fits``); otherwise the weights' own path, saying why."""
+    Either with copies only where they fit and are small (``_copy_or_stream``); otherwise streamed: each weight
+    converted per call into one buffer (``runtime/prefill_stream.py``)."""
     if name not in (None, "auto"):
         resolve(name)
         return (None, "prefill_dtype='weights'") if name == "weights" else (name, f"prefill_dtype={name!r}")
@@ -132,9 +156,9 @@ def choose(name: str | None, weight_dtype: str, copy_bytes: int, kernels: bool =
         per_call = f"({weight_dtype} weights dequantized to float32 per call)"
         if not has_bf16_gemm():
             return None, f"auto: no AMX or AVX512-BF16 here {per_call}"
-        fits, why = _fits(copy_bytes, loading_bytes)
-        if not fits:
-            return None, f"auto: {why} {per_call}"
+        copy, why = _copy_or_stream(copy_bytes, loading_bytes)
+        if not copy:
+            return "bfloat16-stream", f"auto: {weight_dtype} weights with a fast bfloat16 GEMM here; {why}"
         return "bfloat16", (f"auto: {weight_dtype} weights with a fast bfloat16 GEMM here; bfloat16 copy "
                             f"{copy_bytes / 2**30:.1f} GiB, dequantized once at load")
     if weight_dtype != "float16":
@@ -143,9 +167,9 @@ def choose(name: str | None, weight_dtype: str, copy_bytes: int, kernels: bool =
         return None, "auto: this CPU has a native float16 GEMM (AMX)"
     if not torch.cpu._is_avx512_bf16_supported():
         return None, "auto: no AVX512-BF16 here (float16 weights widened to float32 per call)"
-    fits, why = _fits(copy_bytes, loading_bytes)
-    if not fits:
-        return None, f"auto: {why} (float16 weights widened to float32 per call)"
+    copy, why = _copy_or_stream(copy_bytes, loading_bytes)
+    if not copy:
+        return "bfloat16-stream", f"auto: AVX512-BF16 without a native float16 GEMM; {why}"
     return "bfloat16", (f"auto: AVX512-BF16 without a native float16 GEMM; bfloat16 copy "
                         f"{copy_bytes / 2**30:.1f} GiB")
 
@@ -239,11 +263,68 @@ def _packed_call(gm: fx.GraphModule, node: fx.Node, packed: Packed) -> None:
     gm.graph.erase_node(node)
 
 
-def with_compute_dtype(gm: fx.GraphModule, dtype: torch.dtype) -> fx.GraphModule:
+def _streamed_ffn(gm: fx.GraphModule, node: fx.Node, scratch: Scratch) -> bool:
+    """``node`` (an FFN ``node_parts`` takes) becomes one ``StreamedFFN`` call per part with rows on its stored
+    weights, summed as ``merge`` does (hot + cold, then the down bias); False (unchanged) for any other node."""
+    found = node_parts(node)
+    if found is None:
+        return False
+    parts, x, bias, act, layer = found
+    out: fx.Node | None = None
+    with gm.graph.inserting_before(node):
+        for part in parts:
+            w_up = get_tensor(gm, part["w_up"])
+            if w_up.shape[0] == 0:
+                continue
+            down = "w_down_t" if "w_down_t" in part else "w_down"
+            for w, s in (("w_up", "s_up"), ("w_gate", "s_gate"), (down, "s_down")):
+                if part.get(w) is not None:
+                    scratch.prepare(get_tensor(gm, part[w]), None if part.get(s) is None else get_tensor(gm, part[s]))
+            fn = StreamedFFN(scratch, layer, act, part["w_gate"] is not None, down_t=down == "w_down_t")
+            y = gm.graph.call_function(fn, (x, part["w_up"], part.get("s_up"), part["w_gate"], part.get("s_gate"),
+                                            part["b_up"], part[down], part.get("s_down"), None))
+            out = y if out is None else gm.graph.call_function(operator.add, (out, y))
+        if out is None:
+            return False
+        if bias is not None:
+            out = gm.graph.call_function(operator.add, (out, bias))
+    node.replace_all_uses_with(out)
+    gm.graph.erase_node(node)
+    return True
+
+
+def _streamed(gm: fx.GraphModule) -> fx.GraphModule:
+    """``with_compute_dtype(..., streamed=True)``'s rewrite of the copy ``gm``: FFN parts → ``StreamedFFN``,
+    linears reading float16 or int8 / int4 weights → ``StreamedLinear`` (float32 linears, and FFNs that
+    ``PrefillFFN`` does not compute — a mask left, a gate bias, dReLU — keep their weights' path)."""
+    scratch = Scratch()
+    for node in list(gm.graph.nodes):
+        if _streamed_ffn(gm, node, scratch):
+            continue
+        if _op_name(node) not in ("linear", "tvm_linear"):
+            continue
+        args = _named_args(node)
+        w = args["w"]
+        if not isinstance(w, fx.Node) or get_tensor(gm, w).dtype not in (torch.float16, torch.int8, torch.uint8):
+            continue
+        s = args.get("s")
+        scratch.prepare(get_tensor(gm, w), None if s is None else get_tensor(gm, s))  # type: ignore[arg-type]
+        node.target, node.args, node.kwargs = StreamedLinear(scratch), (args["x"], w, args.get("b"), s), {}
+    gm.graph.eliminate_dead_code()
+    return call_directly(gm)
+
+
+def with_compute_dtype(gm: fx.GraphModule, dtype: torch.dtype, streamed: bool = False) -> fx.GraphModule:
     """A copy of ``gm`` sharing its other tensors whose linear and FFN GEMMs read ``dtype`` copies of their
     weights (``aten.linear`` and the TVM-lowered ops become picompile's reference ops, which compute in the
-    weights' dtype). Every weight is converted once, however many nodes read it."""
+    weights' dtype). Every weight is converted once, however many nodes read it. ``streamed``: no copies,
+    each float16 / int8 / int4 weight converted to bfloat16 per call into one reused buffer instead
+    (``runtime/prefill_stream.py``; ``dtype`` must be bfloat16)."""
     out = shared_copy(gm)
+    if streamed:
+        if dtype != torch.bfloat16:
+            raise InputError(f"streamed prefill converts to bfloat16, not {dtype}")
+        return _streamed(out)
     converted: dict[str, fx.Node] = {}
 
     def convert(arg: object) -> object:

@@ -45,7 +45,7 @@ class LoadOptions:
     aligned: bool = False  # the artifact has TVM kernels: weights copied into aligned anonymous memory
     mapped_weights: bool = False  # weights left on the file's mapping (only misaligned ones copied)
     dense_prefill: bool = True  # prefill computes every neuron (decode runs the masks)
-    prefill_dtype: Optional[str] = None  # "bfloat16": prefill's GEMMs on bfloat16 weight copies
+    prefill_dtype: Optional[str] = None  # "bfloat16": prefill's GEMMs on bfloat16 weight copies; "bfloat16-stream": without
     kv_in_place: bool = True  # the KV cache in preallocated arenas
     last_logits: bool = True  # (eager) prefill can compute lm_head for the last position only (logit_rows.py)
     compile: bool = False  # torch.compile'd step: opaque copies, native kernel calls, matmul attention

@@ -90,13 +90,14 @@ def _dense_prefill(state: LoadState) -> None:
     state.notes["dense_prefill"] = state.prefill is not state.graph  # False: no mask to drop
 
 
-@load_step("compute-dtype", ("prefill",), "prefill's GEMMs read copies of their weights in the prefill dtype")
+@load_step("compute-dtype", ("prefill",), "prefill's GEMMs in the prefill dtype: on copies of their weights, or "
+           "(bfloat16-stream) on each weight converted per call into one reused buffer")
 def _compute_dtype(state: LoadState) -> None:
-    from picompile.runtime.compute_dtype import resolve, with_compute_dtype
+    from picompile.runtime.compute_dtype import STREAMED, resolve, with_compute_dtype
 
     dtype = resolve(state.options.prefill_dtype)
     assert state.prefill is not None and dtype is not None
-    state.prefill = with_compute_dtype(state.prefill, dtype)
+    state.prefill = with_compute_dtype(state.prefill, dtype, streamed=state.options.prefill_dtype in STREAMED)
 
 
 @load_step("kv-arenas", ("decode", "prefill"), "the KV cache in place: presents written into preallocated "

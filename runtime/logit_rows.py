@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, fx
 
 from picompile.ir.schema import arg, node_op
+from picompile.runtime.prefill_stream import StreamedLinear
 
 _LINEARS = ("linear", "tvm_linear")
 
@@ -49,10 +50,11 @@ class LogitRows:
 
 
 def _linear_input(node: object) -> Optional[object]:
-    """The input x of a linear node (aten.linear, picompile's linear / tvm_linear); None for any other node."""
+    """The input x of a linear node (aten.linear, picompile's linear / tvm_linear, a streamed prefill's
+    ``StreamedLinear``); None for any other node."""
     if not isinstance(node, fx.Node) or node.op != "call_function":
         return None
-    if node.target is torch.ops.aten.linear.default:
+    if node.target is torch.ops.aten.linear.default or isinstance(node.target, StreamedLinear):
         return node.args[0]
     if node_op(node) in _LINEARS:
         return arg(node, "x")

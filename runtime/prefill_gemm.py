@@ -62,7 +62,7 @@ class Packed:
     bias: Optional[fx.Node]
 
 
-def _node_parts(node: fx.Node) -> Optional[tuple[list[dict[str, Any]], Any, Optional[fx.Node], str, int]]:
+def node_parts(node: fx.Node) -> Optional[tuple[list[dict[str, Any]], Any, Optional[fx.Node], str, int]]:
     """The mask-free FFN parts with rows a node computes (HybridFFN: hot, then cold), as dicts of weight nodes
     (w_up, b_up, w_gate, and w_down_t [k, d_model] or w_down [d_model, k]), with its x, down bias, activation
     and layer; None for any other node."""
@@ -125,7 +125,7 @@ def pack_ffn(gm: fx.GraphModule, node: fx.Node, dtype: torch.dtype) -> Optional[
     ``PrefillFFN`` per part with rows, on weights packed in ``dtype``; None where it is not one (a mask left, a
     part on the GPU, no rows). Parts stay apart, summed as ``merge`` does (hot + cold, then the bias), so a
     layer computes the same whatever its hybrid mode."""
-    found = _node_parts(node)
+    found = node_parts(node)
     if found is None:
         return None
     parts, x, bias, act, layer = found

@@ -122,8 +122,9 @@ def _cpu(monkeypatch: pytest.MonkeyPatch, amx: bool, bf16: bool, available_gib: 
 
 
 def test_auto_is_bfloat16_only_where_it_pays_and_fits(monkeypatch: pytest.MonkeyPatch) -> None:
-    """auto: bfloat16 for float16 weights on AVX512-BF16 without a native float16 GEMM, when the copy leaves
-    the reserve free; the weights' dtype on AMX, without AVX512-BF16, for float32 weights, or short of memory."""
+    """auto: bfloat16 for float16 weights on AVX512-BF16 without a native float16 GEMM — on copies where they
+    leave the reserve free and cost at most an eighth of the memory, streamed (no copy) otherwise; the weights'
+    dtype on AMX, without AVX512-BF16, or for float32 weights."""
     gib = 2**30
     _cpu(monkeypatch, amx=False, bf16=True, available_gib=20)
     assert choose(None, "float16", 2 * gib)[0] == "bfloat16" == choose("auto", "float16", 2 * gib)[0]
@@ -131,18 +132,24 @@ def test_auto_is_bfloat16_only_where_it_pays_and_fits(monkeypatch: pytest.Monkey
     assert choose(None, "float32", 2 * gib) == (None, "auto: float32 weights keep their dtype")
     _cpu(monkeypatch, amx=False, bf16=True, available_gib=9)  # a 7B float16 model loaded: 24 - 13.5 - the rest
     dtype, why = choose(None, "float16", int(13.5 * gib))  # 9 - 13.5 GiB < 24 / 8 = 3 GiB kept free
-    assert dtype is None and "13.5 GiB" in why and "under the 3.0 GiB kept free" in why
+    assert dtype == "bfloat16-stream" and "13.5 GiB" in why and "under the 3.0 GiB kept free" in why
+    assert "converted to bfloat16 per call" in why
     _cpu(monkeypatch, amx=False, bf16=True, available_gib=22)  # the same 7B before its load: the weights count too
     dtype, why = choose(None, "float16", int(13.5 * gib), loading_bytes=int(13.5 * gib))
-    assert dtype is None and "beside the weights (13.5 GiB)" in why
-    assert choose(None, "float16", int(13.5 * gib))[0] == "bfloat16"  # (22 - 13.5 > 3 without them)
+    assert dtype == "bfloat16-stream" and "beside the weights (13.5 GiB)" in why
+    dtype, why = choose(None, "float16", int(13.5 * gib))  # it would fit (22 - 13.5 > 3), but it is most of memory
+    assert dtype == "bfloat16-stream" and "more than 1/8 of the machine's 24.0 GiB" in why
+    assert choose(None, "float16", 3 * gib)[0] == "bfloat16"  # an eighth: still a copy
     assert choose(None, "float16", 2 * gib, loading_bytes=2 * gib)[0] == "bfloat16"  # a 1B: both fit
     assert choose(None, "float16", 2 * gib, kernels=False)[0] is None  # the reference pipeline's artifact
     _cpu(monkeypatch, amx=True, bf16=True, available_gib=20)
     assert choose(None, "float16", 2 * gib) == (None, "auto: this CPU has a native float16 GEMM (AMX)")
     assert choose("bfloat16", "float16", 2 * gib)[0] == "bfloat16"  # asked for: still there
+    assert choose("bfloat16-stream", "float16", 2 * gib)[0] == "bfloat16-stream"
     _cpu(monkeypatch, amx=False, bf16=False, available_gib=20)
     assert choose(None, "float16", 2 * gib)[0] is None
+    with pytest.raises(InputError, match="bfloat16-stream"):
+        choose("bfloat16-stream", "float16", 2 * gib)  # no fast bfloat16 GEMM: refused by name
 
 
 def test_hybrid_ffn_becomes_two_packed_gemms(f16_cpu_artifact: Path) -> None:
@@ -175,14 +182,16 @@ def test_hybrid_ffn_becomes_two_packed_gemms(f16_cpu_artifact: Path) -> None:
 
 
 def test_auto_for_quantized_weights(monkeypatch: pytest.MonkeyPatch) -> None:
-    """auto on int8 / int4 weights: a bfloat16 copy on any CPU with a fast bfloat16 GEMM (AVX512-BF16, or AMX),
-    when it fits; the per-call dequantize path without one, or short of memory, saying why."""
+    """auto on int8 / int4 weights: bfloat16 on any CPU with a fast bfloat16 GEMM (AVX512-BF16, or AMX) — a copy
+    where it fits and is small, streamed otherwise; the per-call float32 dequantize path without one."""
     gib = 2**30
     for amx, bf16 in ((False, True), (True, False), (True, True)):
         _cpu(monkeypatch, amx=amx, bf16=bf16, available_gib=20)
         for wd in ("int8", "int4"):
             dtype, why = choose(None, wd, 2 * gib)
             assert dtype == "bfloat16" and f"{wd} weights with a fast bfloat16 GEMM" in why and "2.0 GiB" in why
+            dtype, why = choose(None, wd, 13 * gib)  # a 7B int4's copies: streamed
+            assert dtype == "bfloat16-stream" and "13.0 GiB" in why and "no copy" in why
     assert choose("weights", "int4", 2 * gib) == (None, "prefill_dtype='weights'")
     assert choose(None, "int4", 2 * gib, kernels=False)[0] is None  # the reference pipeline's artifact
     _cpu(monkeypatch, amx=False, bf16=False, available_gib=20)
@@ -190,7 +199,40 @@ def test_auto_for_quantized_weights(monkeypatch: pytest.MonkeyPatch) -> None:
                                                    "to float32 per call)")
     _cpu(monkeypatch, amx=False, bf16=True, available_gib=4)
     dtype, why = choose(None, "int8", 3 * gib)  # 4 - 3 GiB < the 3 GiB kept free
-    assert dtype is None and "3.0 GiB" in why and "int8 weights dequantized to float32 per call" in why
+    assert dtype == "bfloat16-stream" and "3.0 GiB" in why and "kept free" in why
+
+
+@needs_bf16
+def test_streamed_prefill_equals_copies(f16_cpu_artifact: Path) -> None:
+    """bfloat16-stream: every linear / FFN GEMM is a StreamedLinear / StreamedFFN call on the artifact's own
+    float16 weights (no bfloat16 buffer registered: no copy), and the prompt's logits equal the copies' (the same
+    bfloat16 values, the same GEMMs; the down rows' transposed layout may sum in another order: within 1e-5);
+    decode after it gives the same tokens; lm_head still runs on the last position only for generation."""
+    from picompile.runtime.logit_rows import LogitRows
+    from picompile.runtime.prefill_stream import StreamedFFN, StreamedLinear
+
+    session = picompile.load(f16_cpu_artifact, prefill_dtype="weights")
+    prefill = without_masks(session.graph)
+    low = with_compute_dtype(prefill, torch.bfloat16, streamed=True)
+    calls = [n for n in low.graph.nodes if n.op == "call_function"]
+    n_lin = sum(is_picompile_op(n.target, "tvm_linear") for n in prefill.graph.nodes)
+    assert n_lin > 0 and sum(isinstance(n.target, StreamedLinear) for n in calls) == n_lin
+    assert sum(isinstance(n.target, StreamedFFN) for n in calls) == sum(isinstance(n.target, HybridFFN)
+                                                                       for n in prefill.graph.nodes) > 0
+    assert not [n for n in calls if is_picompile_op(n.target, "tvm_linear") or isinstance(n.target, HybridFFN)]
+    assert not [b for b, t in low.named_buffers() if t.dtype == torch.bfloat16]
+    for node in calls:  # the GEMMs read the artifact's float16 weights themselves
+        if isinstance(node.target, (StreamedLinear, StreamedFFN)):
+            assert get_tensor(low, node.args[1]).dtype == torch.float16
+    copies = picompile.load(f16_cpu_artifact, prefill_dtype="bfloat16")
+    streamed = picompile.load(f16_cpu_artifact, prefill_dtype="bfloat16-stream")
+    assert streamed.prefill_dtype == "bfloat16-stream" and "compute-dtype" in streamed.load_steps
+    want, got = copies.logits(PROMPT), streamed.logits(PROMPT)
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+    assert copies.generate(PROMPT, 8, stop_at_eos=False) == streamed.generate(PROMPT, 8, stop_at_eos=False)
+    last = streamed.decoder().feed(PROMPT, last_only=True)  # [1, vocab]
+    assert last.shape[0] == 1 and torch.allclose(last[0], got[-1], rtol=0, atol=1e-5 * float(got.abs().max()))
+    assert streamed.logit_rows is not None and any(isinstance(n.target, LogitRows) for n in streamed.prefill_graph.graph.nodes)
 
 
 def test_last_logits(f16_cpu_artifact: Path) -> None:
