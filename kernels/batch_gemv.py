@@ -46,6 +46,30 @@ def describe(spec: KernelSpec, parts: int) -> tvm.tirx.PrimFunc:
     LINES = d // per_line
     parts = max(1, parts)
 
+    @T.macro(hygienic=False)
+    def tree(a, TS, j):  # y[t0 + tt, j] = the halving tree of a[tt, :] (32 → 16 → … → 1)
+        for tt in T.unroll(TS):
+            for e in T.vectorized(16):
+                s16[tt, e] = a[tt, e] + a[tt, e + 16]
+            for e in T.vectorized(8):
+                s8[tt, e] = s16[tt, e] + s16[tt, e + 8]
+            for e in T.vectorized(4):
+                s4[tt, e] = s8[tt, e] + s8[tt, e + 4]
+            for e in T.vectorized(2):
+                s2[tt, e] = s4[tt, e] + s4[tt, e + 2]
+            y[t0 + tt, j] = s2[tt, 0] + s2[tt, 1]
+
+    @T.macro(hygienic=False)
+    def one(TS, j):  # row idx[j] for the TS tokens from t0
+        for tt in T.unroll(TS):
+            for e in T.vectorized(L):
+                acc[tt, e] = T.float32(0)
+        for c in range(C):
+            for tt in T.unroll(TS):
+                for e in T.vectorized(L):
+                    acc[tt, e] = acc[tt, e] + T.Cast("float32", w[idx[j], c * L + e]) * x[t0 + tt, c * L + e]
+        tree(acc, TS, j)
+
     @T.prim_func
     def main(x_h: T.handle, w: T.Buffer((n, d), wdt), idx_h: T.handle, y_h: T.handle):
         T.func_attr({"tirx.noalias": True})
@@ -57,74 +81,49 @@ def describe(spec: KernelSpec, parts: int) -> tvm.tirx.PrimFunc:
         wf = T.decl_buffer((n * d,), wdt, data=w.data)
         for p in T.parallel(parts):
             acc = T.alloc_buffer((4, L), "float32")
+            acc1 = T.alloc_buffer((4, L), "float32")
             s16 = T.alloc_buffer((4, 16), "float32")
             s8 = T.alloc_buffer((4, 8), "float32")
             s4 = T.alloc_buffer((4, 4), "float32")
             s2 = T.alloc_buffer((4, 2), "float32")
-            for jj in range((p + 1) * k // parts - p * k // parts):
-                j = p * k // parts + jj
-                r = idx[j]
-                nxt = idx[T.min(j + 1, k - 1)]  # the next selected row, prefetched whole unless it follows this one
-                if nxt != r + 1:
-                    for line in range(LINES):
-                        T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0",
-                                                      T.address_of(wf[nxt * d + line * per_line]), 0, 2, 1))
+            lo = p * k // parts
+            hi = (p + 1) * k // parts
+            for jp in range((hi - lo + 1) // 2):  # rows in pairs (the last alone when the count is odd)
+                j0 = lo + 2 * jp
+                j1 = T.min(j0 + 1, hi - 1)
+                for ahead in range(2):  # the next pair's rows, prefetched whole unless they follow their predecessor
+                    ja = T.min(j0 + 2 + ahead, k - 1)
+                    if idx[ja] != idx[ja - 1] + 1 or t >= 4:
+                        for line in range(LINES):
+                            T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0",
+                                                          T.address_of(wf[idx[ja] * d + line * per_line]), 0, 2, 1))
                 for q in range(t // 4 + (t % 4) // 2 + t % 2):
                     # tile q: 4 tokens from 4q while q < t // 4, then one of 2, then one of 1
                     n4 = t // 4
                     t0 = T.if_then_else(q < n4, q * 4, T.if_then_else(q == n4 and t % 4 >= 2, n4 * 4, t - 1))
                     ts = T.if_then_else(q < n4, 4, T.if_then_else(q == n4 and t % 4 >= 2, 2, 1))
-                    if ts == 4:
+                    if ts == 4 and j1 != j0:
+                        # two rows at once: each chunk of x is loaded once for both (4 tokens of a 2048-wide x
+                        # are 32 KB, L1's size: read once per row, they came from L2 at half memory speed)
                         for tt in T.unroll(4):
                             for e in T.vectorized(L):
                                 acc[tt, e] = T.float32(0)
+                                acc1[tt, e] = T.float32(0)
                         for c in range(C):
                             for tt in T.unroll(4):
                                 for e in T.vectorized(L):
-                                    acc[tt, e] = acc[tt, e] + T.Cast("float32", w[r, c * L + e]) * x[t0 + tt, c * L + e]
-                        for tt in T.unroll(4):
-                            for e in T.vectorized(16):
-                                s16[tt, e] = acc[tt, e] + acc[tt, e + 16]
-                            for e in T.vectorized(8):
-                                s8[tt, e] = s16[tt, e] + s16[tt, e + 8]
-                            for e in T.vectorized(4):
-                                s4[tt, e] = s8[tt, e] + s8[tt, e + 4]
-                            for e in T.vectorized(2):
-                                s2[tt, e] = s4[tt, e] + s4[tt, e + 2]
-                            y[t0 + tt, j] = s2[tt, 0] + s2[tt, 1]
-                    elif ts == 2:
-                        for tt in T.unroll(2):
-                            for e in T.vectorized(L):
-                                acc[tt, e] = T.float32(0)
-                        for c in range(C):
-                            for tt in T.unroll(2):
-                                for e in T.vectorized(L):
-                                    acc[tt, e] = acc[tt, e] + T.Cast("float32", w[r, c * L + e]) * x[t0 + tt, c * L + e]
-                        for tt in T.unroll(2):
-                            for e in T.vectorized(16):
-                                s16[tt, e] = acc[tt, e] + acc[tt, e + 16]
-                            for e in T.vectorized(8):
-                                s8[tt, e] = s16[tt, e] + s16[tt, e + 8]
-                            for e in T.vectorized(4):
-                                s4[tt, e] = s8[tt, e] + s8[tt, e + 4]
-                            for e in T.vectorized(2):
-                                s2[tt, e] = s4[tt, e] + s4[tt, e + 2]
-                            y[t0 + tt, j] = s2[tt, 0] + s2[tt, 1]
+                                    acc[tt, e] = acc[tt, e] + T.Cast("float32", w[idx[j0], c * L + e]) * x[t0 + tt, c * L + e]
+                                    acc1[tt, e] = acc1[tt, e] + T.Cast("float32", w[idx[j1], c * L + e]) * x[t0 + tt, c * L + e]
+                        tree(acc, 4, j0)
+                        tree(acc1, 4, j1)
                     else:
-                        for e in T.vectorized(L):
-                            acc[0, e] = T.float32(0)
-                        for c in range(C):
-                            for e in T.vectorized(L):
-                                acc[0, e] = acc[0, e] + T.Cast("float32", w[r, c * L + e]) * x[t0, c * L + e]
-                        for e in T.vectorized(16):
-                            s16[0, e] = acc[0, e] + acc[0, e + 16]
-                        for e in T.vectorized(8):
-                            s8[0, e] = s16[0, e] + s16[0, e + 8]
-                        for e in T.vectorized(4):
-                            s4[0, e] = s8[0, e] + s8[0, e + 4]
-                        for e in T.vectorized(2):
-                            s2[0, e] = s4[0, e] + s4[0, e + 2]
-                        y[t0, j] = s2[0, 0] + s2[0, 1]
+                        for jj in range(j1 - j0 + 1):
+                            if ts == 4:
+                                one(4, j0 + jj)
+                            elif ts == 2:
+                                one(2, j0 + jj)
+                            else:
+                                one(1, j0 + jj)
 
     return main
 

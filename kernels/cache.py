@@ -26,7 +26,7 @@ from .spec import KERNEL_ABI_VERSION, KernelSpec
 _build_count: int = 0  # compilations done by this process (tests check cache hits with it)
 # the modules whose code decides a compiled kernel's instructions (kernels/*.py that import TVM)
 CODEGEN_MODULES: tuple[str, ...] = ("compute.py", "cpu.py", "cpu_rewrite.py", "cpu_qdot.py", "cuda.py", "input_sparse.py",
-                                     "batch_gemv.py")
+                                     "batch_gemv.py", "dequant.py")
 
 
 def codegen_fingerprint() -> str:
