@@ -20,9 +20,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenM
 import argparse
 import statistics
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,52 +28,8 @@ import picompile
 from picompile.tools.traffic import copy_bandwidth
 from picompile.errors import PicompileError
 from picompile.kernels.loader import call_args
-from picompile.kernels.table import KERNEL_TABLE
 from picompile.runtime import Session
-
-
-Call = tuple[Any, tuple[Any, ...]]  # (loaded kernel, its arguments)
-
-
-@dataclass
-class Recorder:
-    """Stands in for a loaded kernel: appends each ``unchecked`` call to the shared ``log`` while
-    ``log`` is on, then runs it."""
-
-    kernel: Any
-    log: "Log"
-
-    def unchecked(self, *args: Any) -> None:
-        if self.log.on:
-            self.log.calls.append((self.kernel, args))
-        if self.log.timing:
-            t0 = time.perf_counter()
-            self.kernel.unchecked(*args)
-            dt = time.perf_counter() - t0
-            self.log.seconds += dt
-            g = group(self.kernel)
-            self.log.by_group[g] = self.log.by_group.get(g, 0.0) + dt
-        else:
-            self.kernel.unchecked(*args)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.kernel, name)
-
-
-@dataclass
-class Log:
-    calls: list[Call] = field(default_factory=list)  # in the order they ran
-    on: bool = False
-    timing: bool = False  # add each call's time to ``seconds`` and to its group's in ``by_group``
-    seconds: float = 0.0
-    by_group: dict[str, float] = field(default_factory=dict)
-
-
-def group(kernel: Any) -> str:
-    """A kernel's group in the report: its kind and weight shape, e.g. ``up 2560x2048`` (a GEMV) or
-    ``predict 5632x2048 r128`` (n_rows x d_model, rank)."""
-    spec = kernel.spec
-    return f"{spec.kind} {spec.n_rows}x{spec.d_model}" + (f" r{spec.rank}" if spec.rank else "")
+from picompile.tools.kernel_calls import Log, group, recording
 
 
 def weight_bytes(kernel: Any, args: tuple[Any, ...]) -> int:
@@ -88,18 +41,6 @@ def weight_bytes(kernel: Any, args: tuple[Any, ...]) -> int:
     k = int(named["idx"].numel())  # the other kinds read the selected rows of each w_* they take
     return sum(k * t.shape[1] * t.element_size() for n, t in named.items()
                if n.startswith(("w_", "s_")) and t is not None)
-
-
-@contextmanager
-def recording(log: Log) -> Iterator[None]:
-    """Route every loaded kernel through a ``Recorder`` on ``log``; the table is restored on exit."""
-    saved = dict(KERNEL_TABLE)
-    KERNEL_TABLE.update({key: Recorder(kern, log) for key, kern in saved.items()})
-    try:
-        yield
-    finally:
-        KERNEL_TABLE.clear()
-        KERNEL_TABLE.update(saved)
 
 
 def measure(session: Session, prompt_len: int = 64, steps: int = 8, rounds: int = 7) -> dict[str, Any]:

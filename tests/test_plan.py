@@ -191,18 +191,67 @@ def test_gpu_sparse_and_balance_only_ever_help_the_hybrid(capsys: pytest.Capture
     assert out["assumptions"]["gpu_sparse"] and out["assumptions"]["balance"] and out["assumptions"]["context"] == 128
 
 
-def test_kernel_bandwidth_is_the_gemv_kernels_rate_beside_the_read(monkeypatch: pytest.MonkeyPatch) -> None:
-    """--cpu-bandwidth kernel: the plan's CPU rate is what picompile's own GEMV kernel streams here (a share of
-    the read bandwidth measured in the same rounds), so the plan predicts the decode rather than its bound."""
+def test_kernel_rates_are_the_kernels_beside_the_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--cpu-bandwidth kernel: the plan's CPU rate is what picompile's own GEMV kernel streams here in the plan's
+    dtype (a share of the read bandwidth measured in the same rounds), the sparse FFN's its fused kernel's at the
+    profile's predicted fraction, so the plan predicts the decode rather than its bound."""
     from picompile.tools import plan as plan_mod
-    from picompile.tools.costmodel import measure_kernel_bandwidth
+    from picompile.tools.costmodel import measure_kernel_rates
+    from picompile.tools.model_shapes import ModelShape
 
-    k = measure_kernel_bandwidth(threads=1, d_model=256, rows=256, mib=4, repeats=2)
-    assert k["kernel_gbs"] > 0 and k["read_gbs"] > 0 and k["threads"] == 1.0
-    monkeypatch.setattr(plan_mod, "measure_kernel_bandwidth", lambda: {"kernel_gbs": 20.0, "read_gbs": 40.0})
+    tiny = ModelShape("t", "llama", 1, 256, 512, 4, 4, 1000, gated=True)
+    for dtype in ("float16", "int4"):
+        k = measure_kernel_rates(tiny, dtype, 0.1, threads=1, mib=4, repeats=2)
+        assert k["gemv_gbs"] > 0 and k["ffn_gbs"] > 0 and k["read_gbs"] > 0 and k["threads"] == 1.0
+        assert k["active_fraction"] == pytest.approx(51 / 512)
+    seen: list[tuple[str, float]] = []
+
+    def fake(shape: ModelShape, dtype: str, active: float) -> dict[str, float]:
+        seen.append((dtype, active))
+        return {"gemv_gbs": 20.0, "ffn_gbs": 10.0, "read_gbs": 40.0, "active_fraction": active}
+
+    monkeypatch.setattr(plan_mod, "measure_kernel_rates", fake)
     fast = plan("llama2-7b", "cpu", cpu_bandwidth=40.0)
-    kern = plan("llama2-7b", "cpu", cpu_bandwidth="kernel")
-    assert "GEMV kernel 20.0 GB/s (50% of the read bandwidth" in kern["target"]["cpu_bandwidth_source"]
-    assert tps(fast, "cpu_sparse") / tps(kern, "cpu_sparse") == pytest.approx(2.0, rel=0.02)
+    kern = plan("llama2-7b", "cpu", cpu_bandwidth="kernel", dtype="int4")
+    assert seen and seen[0][0] == "int4" and seen[0][1] == pytest.approx(fast["profile"]["predicted_active_fraction"])
+    assert "int4 GEMV kernel 20.0 GB/s (50% of the read bandwidth" in kern["target"]["cpu_bandwidth_source"]
+    assert kern["assumptions"]["cpu_sparse_ffn_share"] == pytest.approx(0.5)
+    # the dense bytes at 20 GB/s, the sparse FFN's at 10: slower than at 40 GB/s by more than 2x on the FFN part
+    f16 = plan("llama2-7b", "cpu", cpu_bandwidth="kernel")
+    s, f = f16["strategies"]["cpu_sparse"], fast["strategies"]["cpu_sparse"]
+    assert s["cpu_bytes_per_token"] == f["cpu_bytes_per_token"]  # the same bytes, read slower
+    assert 2.0 * f["cpu_ms"] < s["cpu_ms"] < 4.0 * f["cpu_ms"]
     with pytest.raises(PicompileError, match="'kernel'"):
         plan("llama2-7b", "cpu", cpu_bandwidth="fast")
+
+
+def test_sparse_ffn_share_and_glue_are_charged() -> None:
+    """The sparse FFN's bytes at ``cpu_sparse_ffn_share`` of the CPU rate, and ``cpu_layer_overhead_s`` per CPU
+    layer: exactly what they add to a CPU-only step."""
+    from picompile.tools.plan_inputs import Assumptions
+
+    base = plan("llama2-7b", "cpu", cpu_bandwidth=20.0)["strategies"]["cpu_sparse"]
+    half = plan("llama2-7b", "cpu", cpu_bandwidth=20.0,
+                assumptions=Assumptions(cpu_sparse_ffn_share=0.5))["strategies"]["cpu_sparse"]
+    glue = plan("llama2-7b", "cpu", cpu_bandwidth=20.0,
+                assumptions=Assumptions(cpu_layer_overhead_s=1e-3))["strategies"]["cpu_sparse"]
+    dense = plan("llama2-7b", "cpu", cpu_bandwidth=20.0)["strategies"]["cpu"]
+    assert half["ms_per_token"] > base["ms_per_token"] and dense["ms_per_token"] == plan(
+        "llama2-7b", "cpu", cpu_bandwidth=20.0, assumptions=Assumptions(cpu_sparse_ffn_share=0.5))["strategies"]["cpu"]["ms_per_token"]
+    assert glue["ms_per_token"] - base["ms_per_token"] == pytest.approx(32 * (1e-3 - 5e-6) * 1e3, rel=1e-6)
+    with pytest.raises(PicompileError, match="cpu_sparse_ffn_share"):
+        Assumptions(cpu_sparse_ffn_share=0.0)
+
+
+def test_glue_is_measured_on_an_artifact(default_artifact: Path) -> None:
+    """--glue ART: each CPU layer is charged the artifact's decode step's time outside its kernels, per layer,
+    measured now (positive, below the whole step), and the plan says where the figure came from."""
+    from picompile.tools.kernel_calls import glue_per_layer
+
+    g = glue_per_layer(default_artifact, prompt_len=8, steps=6, warmup=2)
+    assert 0 < g["glue_s"] < g["step_s"] and g["glue_per_layer_s"] == pytest.approx(g["glue_s"] / g["n_layers"])
+    out = plan("llama2-7b", "cpu", cpu_bandwidth=20.0, glue=str(default_artifact))
+    assert out["assumptions"]["cpu_layer_overhead_s"] > 5e-6
+    assert f"measured now on {default_artifact}" in out["target"]["cpu_layer_overhead_source"]
+    with pytest.raises(PicompileError, match="--glue"):
+        plan("llama2-7b", "cpu", cpu_bandwidth=20.0, glue=str(default_artifact / "nothing.pic"))

@@ -40,6 +40,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--placement", choices=["auto", "ilp", "greedy"], default=d.placement)
     p.add_argument("--placement-batch", type=positive_int, default=d.placement_batch, metavar="N")
     p.add_argument("--min-layer-neurons", type=nonnegative_int, default=d.min_layer_neurons, metavar="N")
+    p.add_argument("--glue", metavar="ART",
+                   help="charge each CPU layer the time a built artifact's decode step spends outside its kernels, "
+                        "per layer, measured now (norms, rotary, attention, dispatch; it grows with width and heads: "
+                        "use an artifact of a shape near the model's)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(fn=cmd)
 
@@ -53,7 +57,8 @@ def cmd(args: argparse.Namespace) -> int:
     if args.placement_batch < 1 or args.min_layer_neurons < 0:
         raise PicompileError("--placement-batch must be >= 1 and --min-layer-neurons >= 0")
     result = planner.plan(args.model, args.target, vram_budget_gib=args.vram_budget, dtype=args.dtype, sparsity=args.sparsity,
-                  locality=args.locality, cpu_bandwidth=args.cpu_bandwidth, gpu_bandwidth=args.gpu_bandwidth, assumptions=a)
+                  locality=args.locality, cpu_bandwidth=args.cpu_bandwidth, gpu_bandwidth=args.gpu_bandwidth, assumptions=a,
+                  glue=args.glue)
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -34,7 +34,14 @@ models 50 % (the build's ``--act-sparsity`` default) and locality 0.5 (assumed).
 predictor sizes and assumptions are :mod:`picompile.tools.plan_inputs`; the shapes
 :mod:`picompile.tools.model_shapes`.
 
-Not modelled: compute limits (all kernels are taken to run at the preset bandwidth), prefill, batch > 1,
+CPU rates: the dense parts stream at the target's CPU bandwidth, the sparse FFN's scattered rows at
+``Assumptions.cpu_sparse_ffn_share`` of it, and each CPU layer costs ``cpu_layer_overhead_s`` besides its bytes;
+``plan --cpu-bandwidth kernel`` measures the first two with picompile's own kernels on the model's shape and dtype
+(:func:`measure_kernel_rates`), ``plan --glue ART`` the third on a built artifact's decode step
+(``tools/kernel_calls.glue_per_layer``). Without them every kernel is taken to run at the bandwidth, with a 5 µs
+barrier per layer: the bound, not the decode.
+
+Not modelled: compute limits (beyond what those measured rates include), prefill, batch > 1,
 caches, dequantisation cost of int4, the accuracy side of the predictor (recall < 1 only loses
 quality here, never time), multi-GPU and the host memory capacity.
 """
@@ -122,6 +129,7 @@ class CostModel:
         self.bw_cpu = target.cpu_bandwidth_gbs * GB
         if self.bw_cpu <= 0:
             raise PicompileError(f"target {target.name} has no CPU bandwidth; give --cpu-bandwidth")
+        self.bw_cpu_ffn = self.bw_cpu * assumptions.cpu_sparse_ffn_share  # the sparse FFN's scattered rows
         self.bw_link = max(target.link_bandwidth_gbs, 1e-9) * GB
         # bytes of the parts of one layer
         self.attn_b = s.attention_params * e
@@ -147,9 +155,10 @@ class CostModel:
     # -- all on the CPU -----------------------------------------------------------------------------
     def cpu(self, sparse: bool) -> StrategyCost:
         s = self.shape
-        ffn = sum(self.pred_ffn_b) + sum(self.pred_b) if sparse else sum(self.ffn_b)
+        ffn = sum(self.pred_b) if sparse else sum(self.ffn_b)
         nbytes = s.n_layers * (self.attn_b + self.norm_b + self.kv_b) + ffn + self.head_b
-        read = nbytes / self.bw_cpu
+        read = nbytes / self.bw_cpu + (sum(self.pred_ffn_b) / self.bw_cpu_ffn if sparse else 0.0)
+        nbytes += sum(self.pred_ffn_b) if sparse else 0.0
         over = s.n_layers * self.a.cpu_layer_overhead_s
         name = "cpu_sparse" if sparse else "cpu"
         desc = ("all on the CPU, predictors + sparse FFN (PowerInfer CPU-only)" if sparse
@@ -186,7 +195,9 @@ class CostModel:
 
         gpu_bytes = sum(layer_read(i, True) for i in range(k)) + (self.head_b if head_on_gpu else 0.0)
         cpu_bytes = sum(layer_read(i, False) for i in range(k, s.n_layers)) + (0.0 if head_on_gpu else self.head_b)
-        gpu_s, cpu_s = gpu_bytes / self.bw_gpu, cpu_bytes / self.bw_cpu
+        cpu_ffn = sum(self.pred_ffn_b[i] for i in range(k, s.n_layers)) if sparse else 0.0  # its scattered rows
+        gpu_s = gpu_bytes / self.bw_gpu
+        cpu_s = (cpu_bytes - cpu_ffn) / self.bw_cpu + cpu_ffn / self.bw_cpu_ffn
         over = k * a.gpu_layer_overhead_s + (s.n_layers - k) * a.cpu_layer_overhead_s
         # the embedding row goes to the GPU; the hidden state comes back where the GPU part ends
         crossings = (1 + (1 if k < s.n_layers or not head_on_gpu else 0)) if k > 0 else 0
@@ -238,7 +249,7 @@ class CostModel:
         k = np.arange(order.size + 1, dtype=np.float64)  # candidate hot counts
         cold_rest = float(q[~hot].sum())
         q_hot = np.concatenate([[0.0], np.cumsum(q[order])])  # [n_hot + 1]
-        t = np.maximum(k * nb / self.bw_gpu, (cold_rest + q_hot[-1] - q_hot) * nb / self.bw_cpu)
+        t = np.maximum(k * nb / self.bw_gpu, (cold_rest + q_hot[-1] - q_hot) * nb / self.bw_cpu_ffn)
         best = int(np.flatnonzero(t <= t.min() * (1 + 1e-12))[-1])  # ties: keep more on the GPU
         if best == order.size:
             return hot
@@ -315,7 +326,7 @@ class CostModel:
         """Layer ``i`` wholly on the CPU, sparse (the hidden state leaves the GPU at the first of them)."""
         a = self.a
         b = self.attn_b + self.norm_b + self.kv_b + self.pred_b[i] + self.pred_ffn_b[i]
-        t = b / self.bw_cpu
+        t = (b - self.pred_ffn_b[i]) / self.bw_cpu + self.pred_ffn_b[i] / self.bw_cpu_ffn
         if i == len(gpu_layers) and gpu_layers:  # the hidden state leaves the GPU here
             x = self._xfer(self.shape.d_model * 4.0)
             tally.sync_s += x
@@ -336,7 +347,7 @@ class CostModel:
         hot_b = float((q[hot].sum() if a.gpu_sparse else hot.sum())) * nb
         cold_b = float(q[~hot].sum()) * nb
         t_dense = dense_b / self.bw_gpu + kv_t
-        t_hot, t_cold = hot_b / self.bw_gpu, cold_b / self.bw_cpu
+        t_hot, t_cold = hot_b / self.bw_gpu, cold_b / self.bw_cpu_ffn
         sync = 0.0
         if n_cold:
             sync = self._xfer(s.d_model * 4.0 + s.d_ffn / 8.0) + self._xfer(s.d_model * 4.0)
@@ -451,56 +462,108 @@ def measure_cpu_bandwidth(threads: int = 2, mib: int = 1024, repeats: int = 9) -
     return {"read_gbs": statistics.median(reads), "copy_gbs": statistics.median(copies), "threads": float(threads)}
 
 
-def measure_kernel_bandwidth(threads: int = 2, d_model: int = 4096, rows: int = 4096, mib: int = 1024,
-                             repeats: int = 9) -> dict[str, float]:
-    """Median GB/s of picompile's own one-token float16 GEMV kernel (TVM, kind ``up`` over every row, as a decode
-    step's q/k/v/o and lm_head run) on ``[rows, d_model]`` weights rotated over copies totalling ``mib`` MiB (each
-    call reads from DRAM), with ``threads`` threads; beside it the read bandwidth (a sum) in the same rounds.
+def _weights(spec: Any, name: str, gen: Any) -> dict[str, Any]:
+    """Random stored weights for one kernel argument ``name`` of ``spec`` (float, or quants + float16 scales)."""
+    import torch
 
-    A decode step's kernels reach a share of the read bandwidth (their rows' per-row work, the FFN's scattered
-    rows, the glue between them), so a plan at this rate predicts what picompile decodes here; at the read
-    bandwidth it gives the bound."""
+    from picompile.kernels import as_aligned
+    from picompile.kernels.qformat import QFormat, quantize
+
+    w = torch.randn(spec.n_rows, spec.d_model, generator=gen) * 0.05  # [n_rows, d_model]
+    scales = {"w_up": "s_up", "w_gate": "s_gate", "w_down_t": "s_down"}[name]
+    if spec.quantized:
+        q, sc = quantize(w, QFormat(spec.weight_dtype, spec.block))
+        return {name: as_aligned(q), scales: as_aligned(sc)}
+    return {name: as_aligned(w.to(getattr(torch, spec.weight_dtype)))}
+
+
+def measure_kernel_rates(shape: Any, dtype: str, active_fraction: float, threads: int = 2, mib: int = 1024,
+                         repeats: int = 7) -> dict[str, float]:
+    """What picompile's own one-token CPU kernels stream on this machine for ``shape`` in ``dtype`` (medians of
+    ``repeats`` rounds, each reading from DRAM: weights rotated over copies totalling ``mib`` MiB, ``threads``
+    threads), beside the read bandwidth (a sum) in the same rounds:
+
+    * ``gemv_gbs``: the GEMV (kind ``up``) over a [d_model, d_model] weight, as q/k/v/o and lm_head run;
+    * ``ffn_gbs``: the fused sparse FFN (``ffn_gated`` / ``ffn_relu``, the shape's activation) over
+      [d_ffn, d_model] rows with ``active_fraction`` of them selected at random, counted as the cost model counts
+      them (every matrix's row of each selected neuron; with ReLU the kernel reads only the gate row of a neuron
+      that does not fire, so this rate can exceed the read bandwidth's share).
+
+    A decode step's kernels run at these rates between the glue, so a plan at them predicts what picompile decodes
+    here; at the read bandwidth it gives the bound."""
     import statistics
     import time
 
     import torch
 
     from picompile.config import kernel_cache_dir
-    from picompile.kernels import KernelSpec, aligned_empty, build_kernel, load_kernel, num_threads, set_num_threads
+    from picompile.kernels import (KernelSpec, aligned_empty, build_kernel, call_args, load_kernel, num_threads,
+                                   set_num_threads)
 
-    spec = KernelSpec("up", "none", d_model, rows, "float16", False, "llvm")
-    kern = load_kernel(build_kernel(spec, kernel_cache_dir()), spec)
+    gen = torch.Generator().manual_seed(0)
+    block = {"block": 32} if dtype in ("int8", "int4") else {}
+    d, n = shape.d_model, shape.d_ffn
+    act = shape.act if shape.act in ("relu", "silu") else "relu"
+    kind = "ffn_gated" if shape.gated else "ffn_relu"
+    gspec = KernelSpec("up", "none", d, d, dtype, False, "llvm", **block)  # type: ignore[arg-type]
+    fspec = KernelSpec(kind, act, d, n, dtype, False, "llvm", **block)  # type: ignore[arg-type]
+    gemv = load_kernel(build_kernel(gspec, kernel_cache_dir()), gspec)
+    ffn = load_kernel(build_kernel(fspec, kernel_cache_dir()), fspec)
     old_tvm, old_torch = num_threads(), torch.get_num_threads()
     set_num_threads(threads)
     torch.set_num_threads(threads)
     try:
-        one = rows * d_model * 2
-        ws = []
-        for _ in range(max(2, (mib << 20) // one)):
-            w = aligned_empty((rows, d_model), torch.float16)  # [rows, d_model]
-            w.copy_(torch.randn(rows, d_model))
-            ws.append(w)
-        x, y = aligned_empty((d_model,)), aligned_empty((rows,))
-        x.copy_(torch.randn(d_model))
-        idx = aligned_empty((rows,), torch.int32)
-        idx.copy_(torch.arange(rows, dtype=torch.int32))
+        x = aligned_empty((d,))
+        x.copy_(torch.randn(d, generator=gen))
+        y_g, y_f = aligned_empty((d,)), aligned_empty((d,))
+        rows = aligned_empty((d,), torch.int32)
+        rows.copy_(torch.arange(d, dtype=torch.int32))
+        k = max(1, round(active_fraction * n))
+        sel = aligned_empty((k,), torch.int32)
+        sel.copy_(torch.sort(torch.randperm(n, generator=gen)[:k]).values.to(torch.int32))
+
+        def args_of(kern: Any, weights: dict[str, Any], idx: Any, y: Any) -> list[Any]:
+            named = {"x": x, "b_up": None, "w_gate": None, "s_gate": None, "idx": idx, "y": y, "h": y, **weights}
+            return [named.get(a) for a in call_args(kern.spec)]
+
+        g_sets, f_sets = [], []
+        for _ in range(max(2, (mib << 20) // max(1, d * d * 2))):
+            w = _weights(gspec, "w_up", gen)
+            g_sets.append(args_of(gemv, w, rows, y_g))
+        g_bytes = sum(t.numel() * t.element_size() for t in g_sets[0] if t is not None and t.dim() == 2)
+        mats = ("w_up", "w_gate", "w_down_t") if shape.gated else ("w_up", "w_down_t")
+        for _ in range(max(2, (mib << 20) // max(1, len(mats) * n * d * 2))):
+            ws: dict[str, Any] = {}
+            for m in mats:
+                ws.update(_weights(fspec, m, gen))
+            f_sets.append(args_of(ffn, ws, sel, y_f))
+        per_row = sum(t.numel() * t.element_size() for t in f_sets[0]
+                      if t is not None and t.dim() == 2) / n  # bytes of one neuron's rows, every matrix
+        f_bytes = per_row * k
+        for a in g_sets[:1]:
+            gemv(*a)
+        for a in f_sets[:1]:
+            ffn(*a)
         buf = torch.ones(mib << 18)  # float32: mib MiB
-        gemv, reads = [], []
-        for w in ws:  # warm-up (page faults)
-            kern(x, w, None, None, idx, y)
         buf.sum()
+        g_rates, f_rates, reads = [], [], []
         for _ in range(repeats):
             t = time.perf_counter()
-            for w in ws:
-                kern.unchecked(x, w, None, None, idx, y)  # type: ignore[attr-defined]
-            gemv.append(one * len(ws) / (time.perf_counter() - t) / GB)
+            for a in g_sets:
+                gemv.unchecked(*a)
+            g_rates.append(g_bytes * len(g_sets) / (time.perf_counter() - t) / GB)
+            t = time.perf_counter()
+            for a in f_sets:
+                ffn.unchecked(*a)
+            f_rates.append(f_bytes * len(f_sets) / (time.perf_counter() - t) / GB)
             t = time.perf_counter()
             buf.sum()
             reads.append(buf.numel() * 4 / (time.perf_counter() - t) / GB)
     finally:
         set_num_threads(old_tvm)
         torch.set_num_threads(old_torch)
-    return {"kernel_gbs": statistics.median(gemv), "read_gbs": statistics.median(reads), "threads": float(threads)}
+    return {"gemv_gbs": statistics.median(g_rates), "ffn_gbs": statistics.median(f_rates),
+            "read_gbs": statistics.median(reads), "threads": float(threads), "active_fraction": k / n}
 
 
 def _bench(copy_fn: Any, read_fn: Any, nbytes: int, repeats: int, clock: Any) -> tuple[list[float], list[float]]:

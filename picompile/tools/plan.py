@@ -14,7 +14,7 @@ import dataclasses
 from typing import Any
 
 from picompile.tools.costmodel import (DTYPE_BYTES, MEASURED_HOST_CPU_GBS, CostModel, StrategyCost, measure_cpu_bandwidth,
-                                       measure_kernel_bandwidth)
+                                       measure_kernel_rates)
 from picompile.tools.plan_inputs import Assumptions, ModelInputs, load_model_inputs
 from picompile.errors import PicompileError
 from picompile.targets import Target, get_target
@@ -35,10 +35,7 @@ def _cpu_bandwidth(value: str | float | None) -> tuple[float | None, str]:
             m = measure_cpu_bandwidth()
             return m["read_gbs"], f"measured now: median read {m['read_gbs']:.1f} GB/s, copy {m['copy_gbs']:.1f} GB/s, 2 threads"
         if v == "kernel":
-            k = measure_kernel_bandwidth()
-            return k["kernel_gbs"], (f"measured now: picompile's float16 GEMV kernel {k['kernel_gbs']:.1f} GB/s "
-                                     f"({k['kernel_gbs'] / k['read_gbs']:.0%} of the read bandwidth, "
-                                     f"{k['read_gbs']:.1f} GB/s), 2 threads")
+            return None, "kernel"  # measured by plan() on the model's shape, in its dtype
         try:
             value = float(v)
         except ValueError:
@@ -59,12 +56,15 @@ def plan(
     cpu_bandwidth: str | float | None = None,
     gpu_bandwidth: float | None = None,
     assumptions: Assumptions | None = None,
+    glue: str | None = None,
 ) -> dict[str, Any]:
     """The plan as a JSON-ready dict: ``{"model", "target", "assumptions", "profile", "placement", "strategies", "speedup"}``.
 
     ``strategies`` holds ``hybrid``, ``layer_offload`` and ``cpu`` (dense), plus ``layer_offload_sparse``
     and ``cpu_sparse``; each has ``tokens_per_s``, ``ms_per_token``, ``gpu_ms``, ``cpu_ms``, ``sync_ms``,
-    bytes read per token on each side, ``vram_bytes`` and a description.
+    bytes read per token on each side, ``vram_bytes`` and a description. ``glue``: a built artifact whose decode
+    step's time outside its kernels, per layer (``tools/kernel_calls.glue_per_layer``, measured now), each CPU layer
+    is charged instead of ``cpu_layer_overhead_s``.
     """
     a = assumptions or Assumptions()
     if sparsity is not None and not 0.0 <= sparsity < 1.0:
@@ -76,6 +76,19 @@ def plan(
     dt = dtype or inputs.default_dtype
     if dt not in DTYPE_BYTES:
         raise PicompileError(f"unknown dtype {dt!r}; known: {', '.join(DTYPE_BYTES)}")
+    if bw_source == "kernel":
+        tgt, a, bw_source = _kernel_rates(tgt, a, inputs, dt)
+    glue_source = "assumed (thread barrier)"
+    if glue is not None:
+        from picompile.tools.kernel_calls import glue_per_layer
+
+        try:
+            g = glue_per_layer(glue)
+        except (OSError, ValueError, PicompileError) as e:
+            raise PicompileError(f"--glue {glue}: {e}") from e
+        a = dataclasses.replace(a, cpu_layer_overhead_s=g["glue_per_layer_s"])
+        glue_source = (f"measured now on {glue}: {g['glue_s'] * 1e3:.1f} ms of its {g['step_s'] * 1e3:.1f} ms step "
+                       f"outside its kernels, {g['glue_per_layer_s'] * 1e3:.2f} ms per layer")
     cm = CostModel(inputs, tgt, dt, a)
     hybrid, placement = cm.hybrid()
     costs = {
@@ -88,13 +101,25 @@ def plan(
     out: dict[str, Any] = {
         "model": {**inputs.shape.to_json(), "source": inputs.source, "dtype": dt, "bytes_per_weight": DTYPE_BYTES[dt],
                   "weight_bytes": cm.weight_bytes()},
-        "target": {**tgt.to_json(), "cpu_bandwidth_source": bw_source},
+        "target": {**tgt.to_json(), "cpu_bandwidth_source": bw_source, "cpu_layer_overhead_source": glue_source},
         "assumptions": {**a.__dict__, "kv_cache_dtype": "float32" if dt == "float32" else "float16"},
         "profile": _profile(inputs),
         "placement": placement,
         "strategies": {k: v.to_json() for k, v in costs.items()},
     }
     return {**out, **_verdict(costs)}
+
+
+def _kernel_rates(tgt: Target, a: Assumptions, inputs: ModelInputs, dtype: str) -> tuple[Target, Assumptions, str]:
+    """``--cpu-bandwidth kernel``: the CPU rate is picompile's GEMV kernel's in ``dtype`` on the model's width, the
+    sparse FFN's share of it its fused kernel's at the profile's predicted fraction (``measure_kernel_rates``)."""
+    q = [float(la.predicted.mean()) for la in inputs.layers]
+    k = measure_kernel_rates(inputs.shape, dtype, sum(q) / len(q))
+    share = k["ffn_gbs"] / k["gemv_gbs"]
+    why = (f"measured now: picompile's {dtype} GEMV kernel {k['gemv_gbs']:.1f} GB/s ({k['gemv_gbs'] / k['read_gbs']:.0%} "
+           f"of the read bandwidth, {k['read_gbs']:.1f} GB/s), its sparse FFN kernel {k['ffn_gbs']:.1f} GB/s at "
+           f"{k['active_fraction']:.1%} of the rows, 2 threads")
+    return dataclasses.replace(tgt, cpu_bandwidth_gbs=k["gemv_gbs"]), dataclasses.replace(a, cpu_sparse_ffn_share=share), why
 
 
 def _target(name: str, vram_budget_gib: float | None, cpu_bandwidth: str | float | None,
@@ -156,6 +181,9 @@ def print_plan(result: dict[str, Any]) -> None:
               f"in {m['dtype']}: {num(m['weight_bytes'], 'B')} of weights")
     con.print(f"target [bold]{t['name']}[/bold]: VRAM {t['vram_bytes'] / (1 << 30):.1f} GiB, GPU {t['gpu_bandwidth_gbs']:g} GB/s, "
               f"link {t['link_bandwidth_gbs']:g} GB/s, CPU {t['cpu_bandwidth_gbs']:g} GB/s ({t['cpu_bandwidth_source']})")
+    con.print(f"CPU per-layer glue {result['assumptions']['cpu_layer_overhead_s'] * 1e3:.3f} ms "
+              f"({t.get('cpu_layer_overhead_source', 'assumed')}); sparse FFN at "
+              f"{result['assumptions']['cpu_sparse_ffn_share']:.0%} of the CPU rate")
     con.print(f"profile: {p['source']}; sparsity {p['sparsity']:.2f}, locality {p['locality']:.2f}, "
               f"predicted active {p['predicted_active_fraction']:.1%} of neurons per token")
     if pl.get("gpu"):

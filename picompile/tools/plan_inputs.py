@@ -106,7 +106,8 @@ class Assumptions:
     predictor_fraction: float = 0.05  # predictor parameters / FFN parameters, per layer
     context: int = 512  # tokens in the KV cache (allocated, and read by each decode step)
     gpu_layer_overhead_s: float = 20e-6  # kernel launches per layer on the GPU
-    cpu_layer_overhead_s: float = 5e-6  # thread barrier per layer on the CPU
+    cpu_layer_overhead_s: float = 5e-6  # thread barrier per layer on the CPU (``--cpu-bandwidth kernel``: the glue, measured)
+    cpu_sparse_ffn_share: float = 1.0  # the sparse FFN's CPU rate / the CPU bandwidth (``kernel``: measured)
     link_latency_s: float = 10e-6  # one host<->GPU transfer + event wait
     gpu_sparse: bool = False  # the GPU reads only predicted-active hot neurons (PowerInfer's GPU operator)
     balance: bool = False  # trim each split layer's hot set to where its GPU half stops being the longer
@@ -119,6 +120,8 @@ class Assumptions:
             raise PicompileError(f"predictor recall must be in (0, 1], got {self.predictor_recall}")
         if self.predictor_overhead < 0 or self.predictor_fraction < 0:
             raise PicompileError("predictor overhead and fraction must be >= 0")
+        if not 0.0 < self.cpu_sparse_ffn_share <= 10.0:
+            raise PicompileError(f"cpu_sparse_ffn_share must be in (0, 10], got {self.cpu_sparse_ffn_share}")
         if self.context < 1:
             raise PicompileError(f"context must be >= 1 token, got {self.context}")
         if self.placement not in ("auto", "ilp", "greedy"):
