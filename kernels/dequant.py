@@ -96,25 +96,8 @@ def describe(spec: KernelSpec, parts: int, target: tvm.target.Target) -> tvm.tir
         return (tvm.tirx.Cast("float32x16", n) - tvm.tirx.Broadcast(tvm.tirx.const(8.0, "float32"), 16)) \
             * tvm.tirx.Broadcast(scale, 16)
 
-    if block == PIECE:
-        @T.prim_func
-        def main_i4(q_h: T.handle, s_h: T.handle, o_h: T.handle):
-            T.func_attr({"tirx.noalias": True})
-            r = T.int32()
-            q = T.match_buffer(q_h, (r, cols // 2), "uint8")
-            s = T.match_buffer(s_h, (r, nb), "float16")
-            o = T.match_buffer(o_h, (r, cols), "bfloat16")
-            for p in T.parallel(parts):
-                for rr in range((p + 1) * r // parts - p * r // parts):
-                    for b in range(nb):
-                        o[p * r // parts + rr, T.ramp(b * block, 1, PIECE)] = bf16x32(
-                            nib(q, p * r // parts + rr, b * hb, False, T.Cast("float32", s[p * r // parts + rr, b])),
-                            nib(q, p * r // parts + rr, b * hb, True, T.Cast("float32", s[p * r // parts + rr, b])))
-
-        return main_i4
-
     @T.prim_func
-    def main_i4w(q_h: T.handle, s_h: T.handle, o_h: T.handle):
+    def main_i4(q_h: T.handle, s_h: T.handle, o_h: T.handle):
         T.func_attr({"tirx.noalias": True})
         r = T.int32()
         q = T.match_buffer(q_h, (r, cols // 2), "uint8")
@@ -123,12 +106,17 @@ def describe(spec: KernelSpec, parts: int, target: tvm.target.Target) -> tvm.tir
         for p in T.parallel(parts):
             for rr in range((p + 1) * r // parts - p * r // parts):
                 for b in range(nb):
-                    for c in range(hb // PIECE):  # 32 bytes: two pieces' low nibbles, then their high nibbles
-                        o[p * r // parts + rr, T.ramp(b * block + c * PIECE, 1, PIECE)] = bf16x32(
-                            nib(q, p * r // parts + rr, b * hb + c * PIECE, False, T.Cast("float32", s[p * r // parts + rr, b])),
-                            nib(q, p * r // parts + rr, b * hb + c * PIECE + 16, False, T.Cast("float32", s[p * r // parts + rr, b])))
-                        o[p * r // parts + rr, T.ramp(b * block + hb + c * PIECE, 1, PIECE)] = bf16x32(
-                            nib(q, p * r // parts + rr, b * hb + c * PIECE, True, T.Cast("float32", s[p * r // parts + rr, b])),
-                            nib(q, p * r // parts + rr, b * hb + c * PIECE + 16, True, T.Cast("float32", s[p * r // parts + rr, b])))
+                    if block == PIECE:  # (a Python constant: one branch is generated)
+                        o[p * r // parts + rr, T.ramp(b * block, 1, PIECE)] = bf16x32(
+                            nib(q, p * r // parts + rr, b * hb, False, T.Cast("float32", s[p * r // parts + rr, b])),
+                            nib(q, p * r // parts + rr, b * hb, True, T.Cast("float32", s[p * r // parts + rr, b])))
+                    else:
+                        for c in range(hb // PIECE):  # 32 bytes: two pieces' low nibbles, then their high nibbles
+                            o[p * r // parts + rr, T.ramp(b * block + c * PIECE, 1, PIECE)] = bf16x32(
+                                nib(q, p * r // parts + rr, b * hb + c * PIECE, False, T.Cast("float32", s[p * r // parts + rr, b])),
+                                nib(q, p * r // parts + rr, b * hb + c * PIECE + 16, False, T.Cast("float32", s[p * r // parts + rr, b])))
+                            o[p * r // parts + rr, T.ramp(b * block + hb + c * PIECE, 1, PIECE)] = bf16x32(
+                                nib(q, p * r // parts + rr, b * hb + c * PIECE, True, T.Cast("float32", s[p * r // parts + rr, b])),
+                                nib(q, p * r // parts + rr, b * hb + c * PIECE + 16, True, T.Cast("float32", s[p * r // parts + rr, b])))
 
-    return main_i4w
+    return main_i4

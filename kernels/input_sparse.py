@@ -49,6 +49,37 @@ def row_split(spec: KernelSpec) -> bool:
     return spec.d_model * item <= ROW_SPLIT_MAX_BYTES
 
 
+@T.macro(hygienic=False)
+def compact_active(d_in, d_out, pad):
+    """The active channels' row offsets ``off[:k[0]]`` (i · d_out) and x values ``h``, then ``pad`` copies of the
+    last offset with x = 0 (the unrolled groups of 4 and their prefetches read past the end harmlessly)."""
+    k[0] = 0
+    for i in range(d_in):
+        if mask[i] != T.int8(0):
+            off[k[0]] = i * d_out
+            h[k[0]] = x[i]
+            k[0] = k[0] + 1
+    for q in range(pad):
+        off[k[0] + q] = T.if_then_else(k[0] > 0, off[T.max(k[0] - 1, 0)], 0)
+        h[k[0] + q] = T.float32(0)
+
+
+@T.macro(hygienic=False)
+def four_rows(dst, a0, c0, j, ahead, n_iter, R, L):
+    """``dst[a0 + i] += Σ_{g<4} h[4j + g] · w[off[4j + g] + c0 + i]`` for i < n_iter·L, with the same lines of the
+    4 active rows ``ahead`` groups on prefetched (no Let inside the vectorized loop: TVM 0.27's vectorizer drops
+    the store; the indices are inline)."""
+    for v in range(n_iter):
+        for g in T.unroll(4):
+            T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0",
+                                          T.address_of(w[off[j * R + R * ahead + g] + c0 + v * L]), 0, _LOCALITY, 1))
+        for e in T.vectorized(L):
+            dst[a0 + v * L + e] = (dst[a0 + v * L + e] + h[j * R] * T.Cast("float32", w[off[j * R] + c0 + v * L + e])
+                                   + h[j * R + 1] * T.Cast("float32", w[off[j * R + 1] + c0 + v * L + e])
+                                   + h[j * R + 2] * T.Cast("float32", w[off[j * R + 2] + c0 + v * L + e])
+                                   + h[j * R + 3] * T.Cast("float32", w[off[j * R + 3] + c0 + v * L + e]))
+
+
 def describe(spec: KernelSpec, parts: int) -> tvm.tirx.PrimFunc:
     """The PrimFunc ``main(x, mask, w_t, y)`` for ``spec`` (kind ``input_sparse``), split over ``parts`` tasks."""
     if row_split(spec):
@@ -69,44 +100,14 @@ def describe(spec: KernelSpec, parts: int) -> tvm.tirx.PrimFunc:
             off = T.alloc_buffer((d_in + pad,), "int32")  # row offsets (i * d_out) of the active channels
             h = T.alloc_buffer((d_in + pad,), "float32")  # their x values
             k = T.alloc_buffer((16,), "int32")  # k[0]: active count (a buffer: a TIR scalar is immutable)
-            k[0] = 0
-            for i in range(d_in):
-                if mask[i] != T.int8(0):
-                    off[k[0]] = i * d_out
-                    h[k[0]] = x[i]
-                    k[0] = k[0] + 1
-            for q in range(pad):
-                off[k[0] + q] = T.if_then_else(k[0] > 0, off[T.max(k[0] - 1, 0)], 0)
-                h[k[0] + q] = T.float32(0)
+            compact_active(d_in, d_out, pad)
             c0 = (p * n_steps // parts) * L
             n = ((p + 1) * n_steps // parts) * L - c0
             for v in range(n // L):
                 for e in T.vectorized(L):
                     y[c0 + v * L + e] = T.float32(0)
             for j in range((k[0] + R - 1) // R):
-                r0 = off[j * R] + c0
-                r1 = off[j * R + 1] + c0
-                r2 = off[j * R + 2] + c0
-                r3 = off[j * R + 3] + c0
-                q0 = off[j * R + R * AHEAD] + c0
-                q1 = off[j * R + R * AHEAD + 1] + c0
-                q2 = off[j * R + R * AHEAD + 2] + c0
-                q3 = off[j * R + R * AHEAD + 3] + c0
-                h0 = h[j * R]
-                h1 = h[j * R + 1]
-                h2 = h[j * R + 2]
-                h3 = h[j * R + 3]
-                for v in range(n // L):
-                    T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(w[q0 + v * L]), 0, _LOCALITY, 1))
-                    T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(w[q1 + v * L]), 0, _LOCALITY, 1))
-                    T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(w[q2 + v * L]), 0, _LOCALITY, 1))
-                    T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(w[q3 + v * L]), 0, _LOCALITY, 1))
-                    # (no Let inside a vectorized loop: TVM 0.27's vectorizer drops the store; indices inline)
-                    for e in T.vectorized(L):
-                        y[c0 + v * L + e] = (y[c0 + v * L + e] + h0 * T.Cast("float32", w[r0 + v * L + e])
-                                             + h1 * T.Cast("float32", w[r1 + v * L + e])
-                                             + h2 * T.Cast("float32", w[r2 + v * L + e])
-                                             + h3 * T.Cast("float32", w[r3 + v * L + e]))
+                four_rows(y, c0, c0, j, AHEAD, n // L, R, L)
 
     return main
 
@@ -133,43 +134,14 @@ def describe_rows(spec: KernelSpec, parts: int, ahead: int = AHEAD) -> tvm.tirx.
             off = T.alloc_buffer((d_in + pad,), "int32")
             h = T.alloc_buffer((d_in + pad,), "float32")
             k = T.alloc_buffer((16,), "int32")
-            k[0] = 0
-            for i in range(d_in):
-                if mask[i] != T.int8(0):
-                    off[k[0]] = i * d_out
-                    h[k[0]] = x[i]
-                    k[0] = k[0] + 1
-            for q in range(pad):
-                off[k[0] + q] = T.if_then_else(k[0] > 0, off[T.max(k[0] - 1, 0)], 0)
-                h[k[0] + q] = T.float32(0)
+            compact_active(d_in, d_out, pad)
             a0 = p * d_out
             for v in range(n_lines):
                 for e in T.vectorized(L):
                     acc[a0 + v * L + e] = T.float32(0)
             ns = (k[0] + R - 1) // R
             for j in range(p * ns // parts, (p + 1) * ns // parts):
-                r0 = off[j * R]
-                r1 = off[j * R + 1]
-                r2 = off[j * R + 2]
-                r3 = off[j * R + 3]
-                q0 = off[j * R + R * ahead]
-                q1 = off[j * R + R * ahead + 1]
-                q2 = off[j * R + R * ahead + 2]
-                q3 = off[j * R + R * ahead + 3]
-                h0 = h[j * R]
-                h1 = h[j * R + 1]
-                h2 = h[j * R + 2]
-                h3 = h[j * R + 3]
-                for v in range(n_lines):
-                    T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(w[q0 + v * L]), 0, _LOCALITY, 1))
-                    T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(w[q1 + v * L]), 0, _LOCALITY, 1))
-                    T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(w[q2 + v * L]), 0, _LOCALITY, 1))
-                    T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(w[q3 + v * L]), 0, _LOCALITY, 1))
-                    for e in T.vectorized(L):
-                        acc[a0 + v * L + e] = (acc[a0 + v * L + e] + h0 * T.Cast("float32", w[r0 + v * L + e])
-                                               + h1 * T.Cast("float32", w[r1 + v * L + e])
-                                               + h2 * T.Cast("float32", w[r2 + v * L + e])
-                                               + h3 * T.Cast("float32", w[r3 + v * L + e]))
+                four_rows(acc, a0, 0, j, ahead, n_lines, R, L)
         for p in T.parallel(parts):
             for v in range(p * n_lines // parts, (p + 1) * n_lines // parts):
                 for e in T.vectorized(L):

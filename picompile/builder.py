@@ -215,13 +215,11 @@ def peak_rss_bytes() -> int:
     import resource
     import sys
 
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
+    from picompile.procinfo import status
+
+    hwm = status().get("VmHWM")
+    if hwm:
+        return hwm
     peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
     return peak if sys.platform == "darwin" else peak * 1024
 

@@ -39,6 +39,7 @@ from picompile.ir.graph import get_tensor, shared_copy
 from picompile.ir.ops import call_directly, deq
 from picompile.ir.patterns import SCALE_ARGS
 from picompile.ir.schema import arg_names, args_of, call_args, node_op
+from picompile.procinfo import meminfo as _meminfo  # (tests replace it by name)
 from picompile.runtime.prefill_gemm import Packed, node_parts, pack_ffn
 from picompile.runtime.prefill_stream import Scratch, StreamedFFN, StreamedLinear
 
@@ -81,21 +82,6 @@ def resolve(name: str | None) -> torch.dtype | None:
         raise InputError(f"prefill_dtype={name!r} needs a CPU with AMX or AVX512-BF16 (this one has neither: "
                          "its bfloat16 GEMMs would be slower than float32 ones)")
     return dtype
-
-
-def _meminfo() -> dict[str, int]:
-    """/proc/meminfo in bytes (empty where there is none)."""
-    try:
-        lines = open("/proc/meminfo").read().splitlines()
-    except OSError:
-        return {}
-    out = {}
-    for line in lines:
-        key, _, rest = line.partition(":")
-        parts = rest.split()
-        if parts and parts[0].isdigit():
-            out[key] = int(parts[0]) * 1024
-    return out
 
 
 QUANTIZED = ("int8", "int4")  # weight dtypes whose prefill dequantizes (``ops.deq``) without a copy

@@ -152,14 +152,9 @@ def check_print_after(steps: list[str], wanted: list[str]) -> None:
 
 def resident_bytes() -> int:
     """This process's resident memory now (``VmRSS``; 0 where /proc is not there)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    from picompile.procinfo import status
+
+    return status().get("VmRSS", 0)
 
 
 @dataclass

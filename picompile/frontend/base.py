@@ -153,15 +153,9 @@ def estimate_build(dims: dict[str, int], weight_dtype: str = "float32", calibrat
 def available_memory_bytes() -> int:
     """Memory this machine can give a new build now (MemAvailable), else its physical memory."""
     from picompile.formats.manifest_schema import physical_memory_bytes
+    from picompile.procinfo import meminfo
 
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return physical_memory_bytes()
+    return meminfo().get("MemAvailable") or physical_memory_bytes()
 
 
 def check_config_bounds(config: dict[str, Any], where: str, memory_bytes: int | None = None,
