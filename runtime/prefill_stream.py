@@ -102,6 +102,7 @@ class StreamedLinear:
     def __init__(self, scratch: Scratch) -> None:
         self.scratch = scratch
 
+    @torch.compiler.disable  # a compiled step calls it as it is (a TVM kernel and a lock inside)
     def __call__(
         self,
         x: Tensor,  # [..., d_in] float32
@@ -129,6 +130,7 @@ class StreamedFFN:
         self.down_t = down_t  # the down weight is w_down_t [k, d_model] (else w_down [d_model, k])
         self.__name__ = f"streamed_ffn_{layer}"
 
+    @torch.compiler.disable  # as StreamedLinear
     def __call__(
         self,
         x: Tensor,  # [..., d_model] float32

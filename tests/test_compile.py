@@ -61,6 +61,19 @@ def test_compiled_generate_equals_eager(f16_artifact: Path) -> None:
     assert compiled.generate(PROMPT, max_new_tokens=8) == eager.generate(PROMPT, max_new_tokens=8)
 
 
+@pytest.mark.skipif(not (torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()),
+                    reason="this CPU has neither AMX nor AVX512-BF16")
+def test_compiled_streamed_prefill_equals_eager(f16_artifact: Path) -> None:
+    """prefill_dtype="bfloat16-stream" in a compiled session: its StreamedLinear / StreamedFFN calls run as they
+    are between the compiled graphs (a TVM kernel inside), the prompt's logits those of the eager streamed step."""
+    eager = picompile.load(f16_artifact, hybrid="off", prefill_dtype="bfloat16-stream")
+    compiled = picompile.load(f16_artifact, hybrid="off", prefill_dtype="bfloat16-stream", compile=True)
+    assert compiled.prefill_dtype == eager.prefill_dtype == "bfloat16-stream"
+    want, got = _logits(eager, 3), _logits(compiled, 3)
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
 def test_compile_without_a_cxx_compiler_fails_clearly(f16_artifact: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(InputError, match="C\\+\\+ compiler"):
