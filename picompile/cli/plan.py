@@ -43,7 +43,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--glue", metavar="ART",
                    help="charge each CPU layer the time a built artifact's decode step spends outside its kernels, "
                         "per layer, measured now (norms, rotary, attention, dispatch; it grows with width and heads: "
-                        "use an artifact of a shape near the model's)")
+                        "use an artifact of the model's width, e.g. a --layers 4 build of it)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(fn=cmd)
 
