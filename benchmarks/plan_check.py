@@ -36,7 +36,7 @@ def main() -> None:
     glue = glue_per_layer(args.glue or args.artifact)["glue_per_layer_s"]
     inputs = load_model_inputs(str(args.artifact), Assumptions(), None, None)
     dtype = inputs.default_dtype
-    active = statistics.mean(float(la.predicted.mean()) for la in inputs.layers)
+    active = inputs.predicted_active_fraction()
     session = picompile.load(args.artifact)
     dec = session.decoder()
     prompt = [(7 * i + 3) % session.vocab_size for i in range(args.prompt_len)]

@@ -194,14 +194,10 @@ class PassMeter:
 
 
 def current_rss_bytes() -> int:
-    """This process's resident memory now (Linux /proc/self/statm; elsewhere the peak so far)."""
-    import os
+    """This process's resident memory now (Linux ``VmRSS``; elsewhere the peak so far)."""
+    from picompile.procinfo import status
 
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return peak_rss_bytes()
+    return status().get("VmRSS") or peak_rss_bytes()
 
 
 def peak_rss_bytes() -> int:

@@ -266,7 +266,7 @@ def _streamed_ffn(gm: fx.GraphModule, node: fx.Node, scratch: Scratch) -> bool:
             for w, s in (("w_up", "s_up"), ("w_gate", "s_gate"), (down, "s_down")):
                 if part.get(w) is not None:
                     scratch.prepare(get_tensor(gm, part[w]), None if part.get(s) is None else get_tensor(gm, part[s]))
-            fn = StreamedFFN(scratch, layer, act, part["w_gate"] is not None, down_t=down == "w_down_t")
+            fn = StreamedFFN(scratch, layer, act, int(w_up.shape[0]), part["w_gate"] is not None, down_t=down == "w_down_t")
             y = gm.graph.call_function(fn, (x, part["w_up"], part.get("s_up"), part["w_gate"], part.get("s_gate"),
                                             part["b_up"], part[down], part.get("s_down"), None))
             out = y if out is None else gm.graph.call_function(operator.add, (out, y))
@@ -281,8 +281,8 @@ def _streamed_ffn(gm: fx.GraphModule, node: fx.Node, scratch: Scratch) -> bool:
 
 def _streamed(gm: fx.GraphModule) -> fx.GraphModule:
     """``with_compute_dtype(..., streamed=True)``'s rewrite of the copy ``gm``: FFN parts → ``StreamedFFN``,
-    linears reading float16 or int8 / int4 weights → ``StreamedLinear`` (float32 linears, and FFNs that
-    ``PrefillFFN`` does not compute — a mask left, a gate bias, dReLU — keep their weights' path)."""
+    linears → ``StreamedLinear`` (float32 weights too, as the copies convert them; FFNs that ``PrefillFFN`` does
+    not compute — a mask left, a gate bias, dReLU — keep their weights' path)."""
     scratch = Scratch()
     for node in list(gm.graph.nodes):
         if _streamed_ffn(gm, node, scratch):
@@ -291,8 +291,8 @@ def _streamed(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         args = _named_args(node)
         w = args["w"]
-        if not isinstance(w, fx.Node) or get_tensor(gm, w).dtype not in (torch.float16, torch.int8, torch.uint8):
-            continue
+        if not isinstance(w, fx.Node) or get_tensor(gm, w).dtype == torch.bfloat16:
+            continue  # (what the copies convert: every stored float or quantized weight)
         s = args.get("s")
         scratch.prepare(get_tensor(gm, w), None if s is None else get_tensor(gm, s))  # type: ignore[arg-type]
         node.target, node.args, node.kwargs = StreamedLinear(scratch), (args["x"], w, args.get("b"), s), {}

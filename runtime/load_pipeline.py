@@ -30,6 +30,7 @@ from torch import fx
 
 from picompile.errors import InputError, PassError, PicompileError, named_step
 from picompile.ir.graph import format_graph, lint
+from picompile.procinfo import status
 
 ROLES: tuple[str, ...] = ("graph", "prefill", "decode")
 
@@ -150,13 +151,6 @@ def check_print_after(steps: list[str], wanted: list[str]) -> None:
                          f"{', '.join(steps) or 'no steps'}")
 
 
-def resident_bytes() -> int:
-    """This process's resident memory now (``VmRSS``; 0 where /proc is not there)."""
-    from picompile.procinfo import status
-
-    return status().get("VmRSS", 0)
-
-
 @dataclass
 class LoadRun:
     """One load's steps and how to show them; ``run`` executes the next of them on a ``LoadState``."""
@@ -191,7 +185,7 @@ class LoadRun:
         with named_step("load step", step.name):
             step.fn(state)
         self.seconds[step.name] = time.perf_counter() - start
-        self.rss_bytes[step.name] = resident_bytes()
+        self.rss_bytes[step.name] = status().get("VmRSS", 0)  # 0 where /proc is not there
         self.done += 1
         graphs = state.graphs(step.writes)
         if not graphs:

@@ -1,7 +1,7 @@
 """Prefill's bfloat16 GEMMs without bfloat16 copies: each weight converted per call into one reused buffer.
 
-``prefill_dtype="bfloat16-stream"`` (``runtime/compute_dtype.py``): a linear reading float16 or int8 / int4
-weights → a ``StreamedLinear`` call on the same stored weights; an FFN part → a ``StreamedFFN`` call. Each call
+``prefill_dtype="bfloat16-stream"`` (``runtime/compute_dtype.py``): a linear → a ``StreamedLinear`` call on the
+same stored weights (float16, int8 / int4; float32 ones convert with torch); an FFN part → a ``StreamedFFN`` call. Each call
 first converts its weights to bfloat16 into a ``Scratch`` buffer with the ``dequant`` kernel
 (``kernels/dequant.py``: memory speed, ~1 ms for a [5632, 2048] weight on two cores, bit-equal to the copy's
 values), then runs the GEMMs the copies would (``ops.lin``, ``PrefillFFN``). The memory is the largest weight's
@@ -24,8 +24,9 @@ _KERNEL_FORMATS: dict[torch.dtype, str] = {torch.float16: "float16", torch.int8:
 
 
 def _weight_format(w: Tensor, s: Optional[Tensor]) -> tuple[str, int, int]:
-    """(format, columns, block) of a stored weight: float16, or quants ``w`` with float16 scales ``s``."""
-    fmt = _KERNEL_FORMATS[w.dtype]
+    """(format, columns, block) of a stored weight: float16 (float32 too: no kernel), or quants ``w`` with float16
+    scales ``s``."""
+    fmt = _KERNEL_FORMATS.get(w.dtype, str(w.dtype).removeprefix("torch."))
     cols = int(w.shape[1]) * (2 if fmt == "int4" else 1)
     return fmt, cols, (cols // int(s.shape[1]) if s is not None else 32)
 
@@ -43,14 +44,14 @@ class Scratch:
 
     def prepare(self, w: Tensor, s: Optional[Tensor]) -> None:
         """Build (or find in the cache) the kernel for ``w``'s format; None where there is none."""
-        if w.dtype not in _KERNEL_FORMATS or w.dim() != 2:
+        if w.dim() != 2:
             return
         key = _weight_format(w, s)
         if key in self.kernels:
             return
         fmt, cols, block = key
         kern = None
-        if cols % 32 == 0:
+        if w.dtype in _KERNEL_FORMATS and cols % 32 == 0:
             from picompile.config import kernel_cache_dir
             from picompile.kernels import KernelSpec, build_kernel, load_kernel
 
@@ -106,7 +107,7 @@ class StreamedLinear:
     def __call__(
         self,
         x: Tensor,  # [..., d_in] float32
-        w: Tensor,  # [d_out, d_in] float16, or int8 / int4 quants
+        w: Tensor,  # [d_out, d_in] float16 / float32, or int8 / int4 quants
         b: Optional[Tensor],  # [d_out] float32
         s: Optional[Tensor],  # [d_out, d_in / block] float16 scales, None for float16 weights
     ) -> Tensor:
@@ -122,12 +123,13 @@ class StreamedFFN:
     """One FFN part for several tokens as ``PrefillFFN`` computes it on packed copies, its up and gate rows
     converted into one ``[up; gate]`` block of the buffer and its down rows after them, for this call."""
 
-    def __init__(self, scratch: Scratch, layer: int, act: str, gated: bool, down_t: bool) -> None:
+    def __init__(self, scratch: Scratch, layer: int, act: str, n_ff: int, gated: bool, down_t: bool) -> None:
         self.scratch = scratch
         self.layer = layer
         self.act = act
         self.gated = gated
         self.down_t = down_t  # the down weight is w_down_t [k, d_model] (else w_down [d_model, k])
+        self.gemms = PrefillFFN(layer, act, n_ff, gated)  # the packed copies' maths on the converted rows
         self.__name__ = f"streamed_ffn_{layer}"
 
     @torch.compiler.disable  # as StreamedLinear
@@ -152,8 +154,7 @@ class StreamedFFN:
             w_in = buf[:n_in].view(-1, d)  # [2k | k, d_model]
             down = sc.bf16(w_down, s_down, offset=_padded(n_in))
             w_out = down.t() if self.down_t else down  # [d_model, k]
-            fn = PrefillFFN(self.layer, self.act, k, self.gated)
-            return fn(x, w_in, None if b_up is None else b_up.float(), w_out, bias)
+            return self.gemms(x, w_in, None if b_up is None else b_up.float(), w_out, bias)
 
     def __repr__(self) -> str:
         return f"StreamedFFN(layer={self.layer}, act={self.act}, gated={self.gated})"

@@ -262,3 +262,14 @@ def test_last_logits(f16_cpu_artifact: Path) -> None:
     with rows.last_only():  # the last row with standard strides (a sliced [1, 1, d] sends torch's bfloat16
         cut = rows(torch.randn(1, 5, 8))  # matmul to a bmm that copies the transposed weight per call)
     assert cut.shape == (1, 1, 8) and cut.stride() == (8, 8, 1) and rows(torch.ones(1, 5, 8)).shape == (1, 5, 8)
+
+
+@needs_bf16
+def test_streamed_prefill_of_float32_weights(artifacts: dict) -> None:
+    """bfloat16-stream on a float32 artifact (asked for by name): the float32 FFN rows have no dequant kernel and
+    convert with torch into the same buffer, giving the copies' logits."""
+    art = artifacts[("llama", "relu")]
+    copies = picompile.load(art, prefill_dtype="bfloat16")
+    streamed = picompile.load(art, prefill_dtype="bfloat16-stream")
+    want, got = copies.logits(PROMPT), streamed.logits(PROMPT)
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-5

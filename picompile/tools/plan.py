@@ -113,8 +113,7 @@ def plan(
 def _kernel_rates(tgt: Target, a: Assumptions, inputs: ModelInputs, dtype: str) -> tuple[Target, Assumptions, str]:
     """``--cpu-bandwidth kernel``: the CPU rate is picompile's GEMV kernel's in ``dtype`` on the model's width, the
     sparse FFN's share of it its fused kernel's at the profile's predicted fraction (``measure_kernel_rates``)."""
-    q = [float(la.predicted.mean()) for la in inputs.layers]
-    k = measure_kernel_rates(inputs.shape, dtype, sum(q) / len(q))
+    k = measure_kernel_rates(inputs.shape, dtype, inputs.predicted_active_fraction())
     share = k["ffn_gbs"] / k["gemv_gbs"]
     why = (f"measured now: picompile's {dtype} GEMV kernel {k['gemv_gbs']:.1f} GB/s ({k['gemv_gbs'] / k['read_gbs']:.0%} "
            f"of the read bandwidth, {k['read_gbs']:.1f} GB/s), its sparse FFN kernel {k['ffn_gbs']:.1f} GB/s at "
@@ -138,13 +137,12 @@ def _target(name: str, vram_budget_gib: float | None, cpu_bandwidth: str | float
 
 def _profile(inputs: ModelInputs) -> dict[str, Any]:
     """Where the activation profile comes from and what it amounts to."""
-    q = [float(la.predicted.mean()) for la in inputs.layers]
     return {
         "source": inputs.activity.source if inputs.source == "artifact" and "artifact" in inputs.activity.source
         else f"synthetic power law ({inputs.activity.source})",
         "sparsity": inputs.activity.sparsity,
         "locality": inputs.activity.locality,
-        "predicted_active_fraction": sum(q) / len(q),
+        "predicted_active_fraction": inputs.predicted_active_fraction(),
         "predictor_params": int(sum(la.predictor_params for la in inputs.layers)),
         "notes": inputs.notes,
     }

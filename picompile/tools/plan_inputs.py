@@ -153,6 +153,10 @@ class ModelInputs:
     default_dtype: str = "float16"
     notes: list[str] = field(default_factory=list)
 
+    def predicted_active_fraction(self) -> float:
+        """The mean over layers of the fraction of neurons the predictors mark active per token."""
+        return sum(float(la.predicted.mean()) for la in self.layers) / len(self.layers)
+
 
 def _predictor_rank(shape: ModelShape, fraction: float) -> int:
     """Rank of a ``fc1 [d→r], fc2 [r→n_ff]`` predictor with ``fraction`` of the FFN's parameters."""
