@@ -201,3 +201,37 @@ def test_peer_gguf_q8_0_through_llama_quantize(tmp_path: Path) -> None:
     assert q8["kv"] == f16["kv"] > 0 and 0.5 < q8["weights"] / f16["weights"] < 0.6  # 34 bytes per 32 against 64
     with pytest.raises(PicompileError, match="GGUF type must be one of"):
         peer_gguf(str(ckpt), "q5_k", tmp_path, quantize)
+
+
+CRASHING = '''#!{python}
+"""A llama-bench whose prompt batches crash (a signal, as llama.cpp's AMX path on an AMX VM) unless --repack 0."""
+import json, os, signal, sys
+args = sys.argv[1:]
+with open({log!r}, "a") as f:
+    f.write(json.dumps(args) + "\\n")
+p, n = int(args[args.index("-p") + 1]), int(args[args.index("-n") + 1])
+if p and "--repack" not in args:
+    os.kill(os.getpid(), signal.SIGSEGV)
+rows = ([dict(n_prompt=p, n_gen=0, avg_ts=500.0)] if p else []) + ([dict(n_prompt=0, n_gen=n, avg_ts=50.0)] if n else [])
+print(json.dumps([dict(r, build_commit="crashy") for r in rows]))
+'''
+
+
+def test_crashing_prefill_splits_the_round(tmp_path: Path) -> None:
+    from picompile.tools.llama_bench import LlamaBenchCrash, llama_bench_engine
+
+    log = tmp_path / "calls.jsonl"
+    exe = tmp_path / "llama-bench"
+    exe.write_text(CRASHING.format(python=sys.executable, log=str(log)))
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    with pytest.raises(LlamaBenchCrash, match=r"exit -11"):
+        run_llama_bench(llama_bench_command(exe, Path("m.gguf"), 2, 8, 4))
+    eng = llama_bench_engine(exe, Path("m.gguf"), "q4_0", 2, 8, 4)
+    for _ in range(2):
+        pf_s, dc_s = eng.timed(list(range(8)), 4)
+        assert (pf_s, dc_s) == (pytest.approx(8 / 500.0), pytest.approx(4 / 50.0))
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    # the crashed default round once, then each round tg with the defaults and pp with --repack 0
+    assert [c[c.index("-p") + 1: c.index("-p") + 4:2] + c[12:] for c in calls[1:]] == [
+        ["8", "4"], ["0", "4"], ["8", "0", "--repack", "0"], ["0", "4"], ["8", "0", "--repack", "0"]]
+    assert "round split" in eng.info["pp_fallback"] and eng.info["llama_bench_json"]["build_commit"] == "crashy"

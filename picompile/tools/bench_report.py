@@ -113,6 +113,8 @@ def _llama_cpp_notes(result: dict[str, Any]) -> list[str]:
         lines.append(escape(f"llama.cpp: {lb['command']} ({build}); weights {lb['gguf_type']}, {precision}")
                      + ("" if act == "silu" else escape(f"; its llama architecture computes SiLU in the FFN, this "
                         f"checkpoint {act}: a dense-speed baseline of the same shape and bytes, not the same outputs")))
+    if lb and lb.get("pp_fallback"):
+        lines.append(escape(f"llama.cpp's prefill: {lb['pp_fallback']}"))
     text = result.get("llama_cpp_python")
     if text:
         lines.append(escape(f"llama-cpp-python ({text['gguf']}, not timed): greedy tokens equal to picompile's: first "

@@ -133,10 +133,22 @@ class LlamaBenchRun:
     rows: list[dict[str, Any]]
 
 
-def llama_bench_command(exe: Path, gguf: Path, threads: int, prompt_len: int, tokens: int) -> list[str]:
-    """One round: ``llama-bench -m GGUF -t T -p P -n N -r 1 -o json`` (its defaults otherwise)."""
+def llama_bench_command(exe: Path, gguf: Path, threads: int, prompt_len: int, tokens: int,
+                        extra: tuple[str, ...] = ()) -> list[str]:
+    """One round: ``llama-bench -m GGUF -t T -p P -n N -r 1 -o json`` (its defaults otherwise, then ``extra``)."""
     return [str(exe), "-m", str(gguf), "-t", str(threads), "-p", str(prompt_len), "-n", str(tokens), "-r", "1",
-            "-o", "json"]
+            "-o", "json", *extra]
+
+
+class LlamaBenchCrash(PicompileError):
+    """llama-bench died of a signal (a crash, not a bad argument)."""
+
+
+# When the default run crashes (seen: llama.cpp 0c1e570's AMX path, ``ggml_backend_amx_mul_mat``, segfaults on
+# every prompt batch on an Intel AMX VM, while its text generation runs), the round is split: tg with the
+# defaults, pp without the repacked weight layouts (``--repack 0``), the nearest setting that runs. Said in the
+# engine's info as ``pp_fallback``.
+PP_FALLBACK: tuple[str, ...] = ("--repack", "0")
 
 
 def parse_llama_bench(text: str, prompt_len: int, tokens: int) -> LlamaBenchRun:
@@ -155,7 +167,9 @@ def parse_llama_bench(text: str, prompt_len: int, tokens: int) -> LlamaBenchRun:
                     return float(r["avg_ts"])
         raise PicompileError(f"llama-bench's JSON has no {what} result (n_prompt {n_prompt}, n_gen {n_gen})")
 
-    return LlamaBenchRun(rate(prompt_len, 0, f"pp{prompt_len}"), rate(0, tokens, f"tg{tokens}"), rows)
+    nan = float("nan")  # a test the command did not ask for (-p 0 or -n 0)
+    return LlamaBenchRun(rate(prompt_len, 0, f"pp{prompt_len}") if prompt_len else nan,
+                         rate(0, tokens, f"tg{tokens}") if tokens else nan, rows)
 
 
 def run_llama_bench(cmd: list[str], env: dict[str, str] | None = None,
@@ -169,7 +183,8 @@ def run_llama_bench(cmd: list[str], env: dict[str, str] | None = None,
         raise PicompileError(f"could not run {cmd[0]}: {e}") from None
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise PicompileError(f"llama-bench failed (exit {proc.returncode}): {last}")
+        kind = LlamaBenchCrash if proc.returncode < 0 else PicompileError
+        raise kind(f"llama-bench failed (exit {proc.returncode}): {last}")
     return proc.stdout
 
 
@@ -180,22 +195,39 @@ def llama_bench_engine(exe: Path, gguf: Path, gguf_type: str, threads: int, prom
     from picompile.tools.engines import Engine, peer_env
 
     facts: dict[str, Any] = {}  # from the first run's JSON: the build, the CPU, the defaults it ran with
+    split: dict[str, str] = {}  # set once the default round crashed: {"pp_fallback": the pp command}
+
+    def one(p: int, n: int, extra: tuple[str, ...] = ()) -> LlamaBenchRun:
+        return parse_llama_bench(run_llama_bench(llama_bench_command(exe, gguf, threads, p, n, extra), peer_env()),
+                                 p, n)
 
     def timed(prompt: list[int], n: int) -> tuple[float, float]:
-        cmd = llama_bench_command(exe, gguf, threads, len(prompt), n)
-        run = parse_llama_bench(run_llama_bench(cmd, peer_env()), len(prompt), n)
+        p = len(prompt)
+        if not split:
+            try:
+                run = one(p, n)
+            except LlamaBenchCrash as e:
+                split["pp_fallback"] = (f"{e}; each round split: tg with the defaults, pp with "
+                                        f"{' '.join(PP_FALLBACK)}")
+                info_out.update(split)
+            else:
+                if not facts:
+                    facts.update({k: run.rows[0][k] for k in FACTS if k in run.rows[0]})
+                return p / run.pp_tokens_per_s, n / run.tg_tokens_per_s
+        tg = one(0, n)
+        pp = one(p, 0, PP_FALLBACK)
         if not facts:
-            facts.update({k: run.rows[0][k] for k in FACTS if k in run.rows[0]})
-        return len(prompt) / run.pp_tokens_per_s, n / run.tg_tokens_per_s
+            facts.update({k: tg.rows[0][k] for k in FACTS if k in tg.rows[0]})
+        return p / pp.pp_tokens_per_s, n / tg.tg_tokens_per_s
 
     def untimed(*_: Any) -> tuple[int, Any]:
         raise PicompileError("llama-bench times itself: it has no step to call")
 
     label = f"llama.cpp {gguf_type} (llama-bench; dense, SiLU kernel)"
-    return Engine("llama-bench", label, untimed, untimed, timed=timed,
-                  info={"gguf": str(gguf), "gguf_type": gguf_type, "llama_bench": str(exe),
-                        "command": shlex.join(llama_bench_command(exe, gguf, threads, prompt_len, tokens)),
-                        "tg_depth": 0, "llama_bench_json": facts, **(info or {})})
+    info_out: dict[str, Any] = {"gguf": str(gguf), "gguf_type": gguf_type, "llama_bench": str(exe),
+                                "command": shlex.join(llama_bench_command(exe, gguf, threads, prompt_len, tokens)),
+                                "tg_depth": 0, "llama_bench_json": facts, **(info or {})}
+    return Engine("llama-bench", label, untimed, untimed, timed=timed, info=info_out)
 
 
 FACTS: tuple[str, ...] = ("build_commit", "build_number", "cpu_info", "backends", "model_type", "model_size",
