@@ -34,10 +34,12 @@ def test_batched_decode_equals_alone(default_artifact: Path, union: bool) -> Non
     runner = BatchRunner(session, len(PROMPTS), union_ffn=union)
     alone = {sl: _greedy(runner, [sl], 12)[sl] for sl in range(len(PROMPTS))}
     together = _greedy(runner, list(range(len(PROMPTS))), 12)
-    assert together == alone  # token for token
+    assert together == alone  # token for token (alone: one sequence, the one-token fused FFN in either mode)
+    assert runner._graphs[1][0].meta["batched_ffns"] == 0
     gm, shared = batch_graph(session.decode_graph, session.n_past, 3, union)
     n_layers = sum(1 for n in session.decode_graph.graph.nodes if "predict" in str(n.target))
     assert gm.meta["batched_ffns"] == (2 * n_layers if union else 0)  # each layer's FFN and predictor, batched
+    assert runner._graphs[len(PROMPTS)][0].meta["batched_ffns"] == gm.meta["batched_ffns"]
     # the glue runs once on the stacked tokens; per sequence only attention, its KV writes, positions (and FFNs)
     assert gm.meta["batched_nodes"] > 2 * gm.meta["perseq_nodes"] > 0
     assert shared == sum(1 for n in session.decode_graph.graph.nodes if "tvm_linear" in str(n.target)) > 0
