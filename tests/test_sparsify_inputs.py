@@ -64,7 +64,12 @@ def test_kernel_equals_torch_reference(dtype: torch.dtype, kind: str, d_in: int,
     ref = torch.nn.functional.linear(x * mask, w.float(), b)  # the dense product over the active channels
     got = input_sparse_linear(x, w_t, b, mask, spec.key())
     assert got.shape == ref.shape and torch.allclose(got, ref, atol=1e-4, rtol=1e-4)
-    assert torch.allclose(input_sparse_linear(x, w_t, b, mask), ref, atol=1e-4, rtol=1e-4)  # the torch path
+    # the torch path: ops.lin computes a float16 weight in float16 where the CPU has a native float16 GEMM (x and
+    # y rounded to float16: ~5e-4 of |y|), in float32 elsewhere
+    from picompile.ir.ops import native_half_gemm
+
+    tol = 2e-3 if dtype == torch.float16 and native_half_gemm() else 1e-4
+    assert torch.allclose(input_sparse_linear(x, w_t, b, mask), ref, atol=10 * tol, rtol=tol)
     assert torch.allclose(input_sparse_linear(x, w_t, b, None, spec.key()),
                           torch.nn.functional.linear(x, w.float(), b), atol=1e-4, rtol=1e-4)
     none = torch.zeros_like(mask)
