@@ -294,7 +294,11 @@ def batch_graph(gm: fx.GraphModule, n_past: int, batch: int,
     in order: ids [1, 1], n_past past views (read only for their length), n_past arenas; it returns the B logits
     stacked, [B, 1, vocab]. Also returns how many linear calls are shared. ``union_ffn``: True / False, or None
     (auto) for the union FFN where its weights are float (the ``gemv`` kernels) and per sequence where they are
-    int8 / int4; the predictors are batched in both True and None."""
+    int8 / int4; the predictors are batched in both True and None. One sequence (``batch`` 1) takes the one-token
+    fused FFN kernels in every mode: the union of one token's neurons is its own, and the split union kernels
+    stream them slower (1 client 12.3 against 17.8 tok/s)."""
+    if batch == 1:
+        union_ffn = False
     src = gm.graph
     new = fx.Graph()
     placeholders = [n for n in src.nodes if n.op == "placeholder"]
@@ -399,10 +403,7 @@ class BatchRunner:
 
     def _graph(self, batch: int) -> Callable[..., Any]:
         if batch not in self._graphs:
-            # one sequence takes the one-token fused FFN kernels whatever the mode: the union of one token's neurons
-            # is its own, and the split union kernels stream them slower (1 client 12.3 against 17.8 tok/s)
-            union = self.union_ffn if batch > 1 else False
-            gm, self.shared_linears = batch_graph(self.session.decode_graph, self.n_past, batch, union)
+            gm, self.shared_linears = batch_graph(self.session.decode_graph, self.n_past, batch, self.union_ffn)
             fn = gm
             if self.session.decode_torch_threads is not None:
                 from picompile.runtime.threads import with_decode_threads

@@ -195,7 +195,10 @@ def llama_bench_engine(exe: Path, gguf: Path, gguf_type: str, threads: int, prom
     from picompile.tools.engines import Engine, peer_env
 
     facts: dict[str, Any] = {}  # from the first run's JSON: the build, the CPU, the defaults it ran with
-    split: dict[str, str] = {}  # set once the default round crashed: {"pp_fallback": the pp command}
+    label = f"llama.cpp {gguf_type} (llama-bench; dense, SiLU kernel)"
+    about: dict[str, Any] = {"gguf": str(gguf), "gguf_type": gguf_type, "llama_bench": str(exe),
+                             "command": shlex.join(llama_bench_command(exe, gguf, threads, prompt_len, tokens)),
+                             "tg_depth": 0, "llama_bench_json": facts, **(info or {})}
 
     def one(p: int, n: int, extra: tuple[str, ...] = ()) -> LlamaBenchRun:
         return parse_llama_bench(run_llama_bench(llama_bench_command(exe, gguf, threads, p, n, extra), peer_env()),
@@ -203,19 +206,13 @@ def llama_bench_engine(exe: Path, gguf: Path, gguf_type: str, threads: int, prom
 
     def timed(prompt: list[int], n: int) -> tuple[float, float]:
         p = len(prompt)
-        if not split:
+        if "pp_fallback" not in about:  # the default round, until it crashes once
             try:
-                run = one(p, n)
+                tg = pp = one(p, n)
             except LlamaBenchCrash as e:
-                split["pp_fallback"] = (f"{e}; each round split: tg with the defaults, pp with "
-                                        f"{' '.join(PP_FALLBACK)}")
-                info_out.update(split)
-            else:
-                if not facts:
-                    facts.update({k: run.rows[0][k] for k in FACTS if k in run.rows[0]})
-                return p / run.pp_tokens_per_s, n / run.tg_tokens_per_s
-        tg = one(0, n)
-        pp = one(p, 0, PP_FALLBACK)
+                about["pp_fallback"] = f"{e}; each round split: tg with the defaults, pp with {' '.join(PP_FALLBACK)}"
+        if "pp_fallback" in about:
+            tg, pp = one(0, n), one(p, 0, PP_FALLBACK)
         if not facts:
             facts.update({k: tg.rows[0][k] for k in FACTS if k in tg.rows[0]})
         return p / pp.pp_tokens_per_s, n / tg.tg_tokens_per_s
@@ -223,11 +220,7 @@ def llama_bench_engine(exe: Path, gguf: Path, gguf_type: str, threads: int, prom
     def untimed(*_: Any) -> tuple[int, Any]:
         raise PicompileError("llama-bench times itself: it has no step to call")
 
-    label = f"llama.cpp {gguf_type} (llama-bench; dense, SiLU kernel)"
-    info_out: dict[str, Any] = {"gguf": str(gguf), "gguf_type": gguf_type, "llama_bench": str(exe),
-                                "command": shlex.join(llama_bench_command(exe, gguf, threads, prompt_len, tokens)),
-                                "tg_depth": 0, "llama_bench_json": facts, **(info or {})}
-    return Engine("llama-bench", label, untimed, untimed, timed=timed, info=info_out)
+    return Engine("llama-bench", label, untimed, untimed, timed=timed, info=about)
 
 
 FACTS: tuple[str, ...] = ("build_commit", "build_number", "cpu_info", "backends", "model_type", "model_size",
