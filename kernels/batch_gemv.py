@@ -10,10 +10,13 @@ for every token but is widened and multiplied again, so T tokens cost T times on
 cores the batched linear layers ran at a third of memory speed at T = 4 (``benchmarks/README.md``, serving).
 Here the tokens are taken in tiles of 4 (then 2, then 1 for the rest): per 32-element chunk of a row, the chunk is
 loaded and widened once and multiplied into the tile's 4 × 32 float32 accumulators. Threads (``parts`` = the
-build's cores) split the selected rows into contiguous ranges; before a row's pass, every cache line of the next
-selected row is prefetched into L2 when it does not follow this one (the union FFN's rows are far apart; a linear
-layer's consecutive rows are left to the hardware prefetchers), the calls kept out of the accumulation loop, where
-LLVM would spill the sums around them.
+build's cores) split the selected rows into contiguous ranges. Each chunk step also prefetches (into L1) the same
+chunk of the selected row ``ROWS_AHEAD`` on: a tile of 4 tokens spends ~4× one token's instructions per weight
+cache line, so the out-of-order window alone keeps too few lines in flight and the hardware prefetchers did not
+cover it (at 4 tokens the kernel streamed 0.6× as fast as at 1 on an AMD EPYC Zen 5; with the hint, level with
+1 token: ``benchmarks/README.md``, serving). Before a row pair's pass, every cache line of the next pair is also
+prefetched into L2 when it does not follow its predecessor (the union FFN's rows are far apart), those calls kept
+out of the accumulation loop.
 
 Every (row, token) sum is formed the same way in every tile — 32 lanes accumulated in chunk order, then a fixed
 halving tree 32 → 16 → … → 1 — so a token's ``y`` does not depend on T or on its place in the batch (what the
@@ -29,6 +32,7 @@ from .spec import KernelSpec
 LANES = 32  # float32 accumulators per token (one float16 cache line per chunk)
 COLS = 64  # the down kernel's y columns per register tile (4 float32 vectors per token)
 TILES = (4, 2, 1)  # tokens per pass over a row
+ROWS_AHEAD = 4  # the chunk loop prefetches the same chunk of the selected row this many rows on
 
 
 def supports(spec: KernelSpec) -> bool:
@@ -45,6 +49,11 @@ def describe(spec: KernelSpec, parts: int) -> tvm.tirx.PrimFunc:
     per_line = 64 // (2 if wdt == "float16" else 4)  # elements per cache line
     LINES = d // per_line
     parts = max(1, parts)
+
+    @T.macro(hygienic=False)
+    def _prefetch_chunk(buf, at):  # a chunk's cache lines (1 float16, 2 float32) into L1 (a hint: never faults)
+        for ln in T.unroll(L // per_line):
+            T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(buf[at + ln * per_line]), 0, 3, 1))
 
     @T.macro(hygienic=False)
     def tree(a, TS, j):  # y[t0 + tt, j] = the halving tree of a[tt, :] (32 → 16 → … → 1)
@@ -65,6 +74,7 @@ def describe(spec: KernelSpec, parts: int) -> tvm.tirx.PrimFunc:
             for e in T.vectorized(L):
                 acc[tt, e] = T.float32(0)
         for c in range(C):
+            _prefetch_chunk(wf, idx[T.min(j + ROWS_AHEAD, k - 1)] * d + c * L)
             for tt in T.unroll(TS):
                 for e in T.vectorized(L):
                     acc[tt, e] = acc[tt, e] + T.Cast("float32", w[idx[j], c * L + e]) * x[t0 + tt, c * L + e]
@@ -110,6 +120,8 @@ def describe(spec: KernelSpec, parts: int) -> tvm.tirx.PrimFunc:
                                 acc[tt, e] = T.float32(0)
                                 acc1[tt, e] = T.float32(0)
                         for c in range(C):
+                            _prefetch_chunk(wf, idx[T.min(j0 + ROWS_AHEAD, k - 1)] * d + c * L)
+                            _prefetch_chunk(wf, idx[T.min(j1 + ROWS_AHEAD, k - 1)] * d + c * L)
                             for tt in T.unroll(4):
                                 for e in T.vectorized(L):
                                     acc[tt, e] = acc[tt, e] + T.Cast("float32", w[idx[j0], c * L + e]) * x[t0 + tt, c * L + e]

@@ -100,23 +100,25 @@ class StreamedLinear:
 
     __name__ = "streamed_linear"  # fx's code generation names the call after it
 
-    def __init__(self, scratch: Scratch) -> None:
+    def __init__(self, scratch: Scratch, input_major: bool = False) -> None:
         self.scratch = scratch
+        self.input_major = input_major  # w is an input-sparse linear's w_t [d_in, d_out] (its GEMM reads wᵀ)
 
     @torch.compiler.disable  # a compiled step calls it as it is (a TVM kernel and a lock inside)
     def __call__(
         self,
         x: Tensor,  # [..., d_in] float32
-        w: Tensor,  # [d_out, d_in] float16 / float32, or int8 / int4 quants
+        w: Tensor,  # [d_out, d_in] float16 / float32, or int8 / int4 quants ([d_in, d_out] when input_major)
         b: Optional[Tensor],  # [d_out] float32
         s: Optional[Tensor],  # [d_out, d_in / block] float16 scales, None for float16 weights
     ) -> Tensor:
         with self.scratch.lock:
-            y = lin(x, self.scratch.bf16(w, s), None)  # [..., d_out]
+            wb = self.scratch.bf16(w, s)
+            y = lin(x, wb.t() if self.input_major else wb, None)  # [..., d_out]
         return y if b is None else y + b
 
     def __repr__(self) -> str:
-        return "StreamedLinear()"
+        return f"StreamedLinear(input_major={self.input_major})"
 
 
 class StreamedFFN:

@@ -273,3 +273,40 @@ def test_streamed_prefill_of_float32_weights(artifacts: dict) -> None:
     streamed = picompile.load(art, prefill_dtype="bfloat16-stream")
     want, got = copies.logits(PROMPT), streamed.logits(PROMPT)
     assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+
+
+@needs_bf16
+def test_input_sparse_linears_prefill_on_bfloat16(checkpoints: dict, tmp_path: Path) -> None:
+    """An input-sparse artifact (``sparsify-inputs``, float16): prefill's input-sparse linears become bfloat16
+    GEMMs, on copies in nn.Linear layout (``w_tᵀ``, contiguous) or streamed from the input-major rows, both giving
+    the same logits, within bfloat16 rounding of the float16 weights' own path; decode keeps its kernels."""
+    from picompile.runtime.prefill_stream import StreamedLinear
+
+    art = picompile.build(checkpoints[("llama", "silu")], output=tmp_path / "is.pic", predictor="none",
+                          weight_dtype="float16", act_sparsity=0.3, input_sparsity="all", calibration_tokens=256,
+                          input_loss_tokens=64, input_allocation="uniform")
+    session = picompile.load(art, prefill_dtype="weights")
+    prefill = without_masks(session.graph)
+    sparse = [n for n in prefill.graph.nodes if is_picompile_op(n.target, "input_sparse_linear")]
+    assert sparse
+    low = with_compute_dtype(prefill, torch.bfloat16)
+    calls = [n for n in low.graph.nodes if n.op == "call_function"]
+    assert not [n for n in calls if is_picompile_op(n.target, "input_sparse_linear")]
+    for n in sparse:  # its weight as a bfloat16 copy, [d_out, d_in], equal to w_tᵀ within bfloat16 rounding
+        w_t = get_tensor(prefill, n.args[1])
+        copy = getattr(low, f"{n.args[1].target}_t_bfloat16")
+        assert copy.dtype == torch.bfloat16 and copy.is_contiguous() and copy.shape == w_t.t().shape
+        torch.testing.assert_close(copy.float(), w_t.t().float(), rtol=2 ** -8, atol=0)
+    streamed = with_compute_dtype(prefill, torch.bfloat16, streamed=True)
+    inputs = [n for n in streamed.graph.nodes if isinstance(n.target, StreamedLinear) and n.target.input_major]
+    assert len(inputs) == len(sparse)
+    assert not [b for b, t in streamed.named_buffers() if t.dtype == torch.bfloat16]
+    want = session.logits(PROMPT)
+    copies = picompile.load(art, prefill_dtype="bfloat16").logits(PROMPT)
+    stream = picompile.load(art, prefill_dtype="bfloat16-stream").logits(PROMPT)
+    assert float((stream - copies).abs().max() / copies.abs().max()) < 1e-5
+    rel = float((copies - want).norm() / want.norm())
+    assert 0 < rel < 2e-2, rel
+    decode = [n for n in picompile.load(art, prefill_dtype="bfloat16").decode_graph.graph.nodes
+              if is_picompile_op(n.target, "input_sparse_linear")]
+    assert decode and all(get_tensor(session.graph, n.args[1]).dtype == torch.float16 for n in sparse)
