@@ -1,15 +1,18 @@
 """Load benchmark of ``picompile serve``: 1, 4 and 16 concurrent clients against one server on 127.0.0.1.
 
     python benchmarks/serve.py ART [--clients 1,4,16] [--requests 2] [--max-tokens 32] [--prompt-len 16]
-                               [--batch-ffn auto|per-request|union] [--time-limit S] [--json]
+                               [--batch-ffn MODE[,MODE…]] [--rounds 1] [--time-limit S] [--json]
 
-Starts ``picompile serve ART --port 0 --max-batch <most clients>`` (127.0.0.1 only), then per concurrency level
-runs that many clients, each sending ``--requests`` streaming completions one after the other (prompts: seeded
-random token ids, greedy, ``ignore_eos`` so every request is ``--max-tokens`` long). Bounded: at most
-``clients × requests`` requests per level and ``--time-limit`` seconds in all. Reports per level the aggregate
-decode tok/s (all tokens after each request's first, over the level's wall time), p50/p95 time to first
-token, and checks that no request was lost or truncated. A first level of warm-up requests builds the batched
-step for each batch size before anything is timed.
+Starts ``picompile serve ART --port 0 --max-batch <most clients>`` (127.0.0.1 only; one server per
+``--batch-ffn`` mode named, auto / per-request / union), then per concurrency level runs that many clients, each
+sending ``--requests`` streaming completions one after the other (prompts: seeded random token ids, greedy,
+``ignore_eos`` so every request is ``--max-tokens`` long). Bounded: at most ``clients × requests`` requests per
+level and round and ``--time-limit`` seconds in all. Reports per level the aggregate decode tok/s (all tokens
+after each request's first, over the level's wall time), p50/p95 time to first token, and checks that no request
+was lost or truncated. A first level of warm-up requests builds the batched step for each batch size before
+anything is timed. With several modes or ``--rounds`` > 1 the servers take turns level by level (mode order
+reversed every round, so the machine's drift hits all alike) and each figure is the median over rounds: this
+VM's memory bandwidth moves from minute to minute, so modes are compared side by side, not run after run.
 """
 from __future__ import annotations
 
@@ -117,33 +120,58 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--time-limit", type=float, default=900.0, help="seconds for the whole run at most")
-    ap.add_argument("--batch-ffn", choices=("auto", "per-request", "union"), default="per-request",
-                    help="the server's --batch-ffn (default per-request, as the server's)")
+    ap.add_argument("--batch-ffn", default="per-request",
+                    help="the server's --batch-ffn, or several comma-separated, side by side (default per-request, "
+                         "as the server's)")
+    ap.add_argument("--rounds", type=int, default=1, help="rounds of every level and mode (medians reported)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     levels = [int(c) for c in args.clients.split(",")]
+    modes = args.batch_ffn.split(",")
     if any(not 1 <= c <= 64 for c in levels) or not 1 <= args.requests <= 16 or not 1 <= args.max_tokens <= 512:
         raise SystemExit("clients 1..64, requests 1..16, max-tokens 1..512")
+    if not 1 <= args.rounds <= 9 or any(m not in ("auto", "per-request", "union") for m in modes) \
+            or len(set(modes)) != len(modes):
+        raise SystemExit("rounds 1..9; --batch-ffn: distinct modes among auto, per-request, union")
     deadline = time.perf_counter() + args.time_limit
-    proc, base = start_server(args.artifact, max(levels), args.batch_ffn)
+    servers: dict[str, tuple[subprocess.Popen[str], str]] = {}
+    runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
     try:
-        for c in levels:  # warm-up: every batch size's step graph built before timing
-            level(base, c, 1, 4, args.prompt_len, 99, deadline)
-        rows = [level(base, c, args.requests, args.max_tokens, args.prompt_len, 7 + c, deadline) for c in levels]
+        for m in modes:
+            servers[m] = start_server(args.artifact, max(levels), m)
+            for c in levels:  # warm-up: every batch size's step graph built before timing
+                level(servers[m][1], c, 1, 4, args.prompt_len, 99, deadline)
+        for r in range(args.rounds):
+            for c in levels:
+                for m in (modes if r % 2 == 0 else modes[::-1]):
+                    runs.setdefault((m, c), []).append(
+                        level(servers[m][1], c, args.requests, args.max_tokens, args.prompt_len, 7 + c + 100 * r, deadline))
     finally:
-        proc.terminate()
-        proc.wait(60)
-    one = next((r["decode_tok_s"] for r in rows if r["clients"] == 1), None)
+        for proc, _ in servers.values():
+            proc.terminate()
+        for proc, _ in servers.values():
+            proc.wait(60)
+    rows = []
+    for (m, c), rs in runs.items():
+        med = {k: statistics.median(x[k] for x in rs) if all(x[k] is not None for x in rs) else None
+               for k in ("decode_tok_s", "ttft_p50_s", "ttft_p95_s")}
+        rows.append({"batch_ffn": m, "clients": c, "rounds": len(rs), "requests": sum(x["requests"] for x in rs),
+                     "complete": sum(x["complete"] for x in rs),
+                     "lost_or_truncated": sum(x["lost_or_truncated"] for x in rs), **med,
+                     "decode_tok_s_rounds": [x["decode_tok_s"] for x in rs],
+                     "errors": sorted({e for x in rs for e in x["errors"]})[:3]})
     for r in rows:
+        one = next((o["decode_tok_s"] for o in rows if o["batch_ffn"] == r["batch_ffn"] and o["clients"] == 1), None)
         r["vs_one_client"] = r["decode_tok_s"] / one if one else None
     if args.json:
         print(json.dumps(rows, indent=2))
-        return 0
-    print(f"{'clients':>7} {'requests':>8} {'complete':>8} {'decode tok/s':>12} {'× 1 client':>10} "
-          f"{'TTFT p50 s':>10} {'TTFT p95 s':>10}")
+        return 0 if all(r["lost_or_truncated"] == 0 for r in rows) else 1
+    print(f"{'batch-ffn':>11} {'clients':>7} {'requests':>8} {'complete':>8} {'decode tok/s':>12} {'× 1 client':>10} "
+          f"{'TTFT p50 s':>10} {'TTFT p95 s':>10}  rounds")
     for r in rows:
-        print(f"{r['clients']:>7} {r['requests']:>8} {r['complete']:>8} {r['decode_tok_s']:>12.2f} "
-              f"{r['vs_one_client'] or 0:>10.2f} {r['ttft_p50_s'] or 0:>10.3f} {r['ttft_p95_s'] or 0:>10.3f}"
+        print(f"{r['batch_ffn']:>11} {r['clients']:>7} {r['requests']:>8} {r['complete']:>8} {r['decode_tok_s']:>12.2f} "
+              f"{r['vs_one_client'] or 0:>10.2f} {r['ttft_p50_s'] or 0:>10.3f} {r['ttft_p95_s'] or 0:>10.3f}  "
+              + " ".join(f"{v:.1f}" for v in r["decode_tok_s_rounds"])
               + (f"  errors: {r['errors']}" if r["errors"] else ""))
     return 0 if all(r["lost_or_truncated"] == 0 for r in rows) else 1
 
