@@ -10,10 +10,11 @@ Schedule (written directly in TIR, not through TE: the active list is data-depen
 1. compacts the mask itself into a private list of row offsets and their ``x`` values (d_in byte compares: a few
    µs, in parallel in every task; no barrier, no second parallel region, nothing gathered in torch);
 2. zeroes its range of ``y`` (it stays in L1: at most d_model/parts float32);
-3. walks the active rows four at a time: for each cache line of its range, ``y += x0·w0 + x1·w1 + x2·w2 + x3·w3``
-   (float16 widened in registers, float32 FMAs; four rows per ``y`` load/store), prefetching (``prefetcht1``) the
-   same line of the next four active rows. The list is padded to a multiple of four (and the prefetch distance)
-   with the last active row at ``x = 0``, which re-reads a cached row.
+3. walks the active rows eight at a time: for each cache line of its range, ``y += (x0·w0 + … + x3·w3) + (x4·w4 +
+   … + x7·w7)`` (float16 widened in registers, float32 FMAs; eight rows per ``y`` load/store: four ran 4–10 %
+   slower at 40 % sparsity on an AMD Zen 5, ``benchmarks/README.md``), prefetching (``prefetcht1``) the same line
+   of the next eight active rows. The list is padded to a multiple of eight (and the prefetch distance) with the
+   last active row at ``x = 0``, which re-reads a cached row.
 
 Without the prefetch a task's reads are short segments of rows far apart (d_model·itemsize / parts bytes each)
 and the hardware prefetchers lose each one's start; with it the kernel reads at about the dense GEMV's
@@ -26,7 +27,7 @@ from tvm.script import tirx as T
 
 from .spec import KernelSpec
 
-ROWS = 4  # active rows per step (one y load/store per four FMAs)
+ROWS = 8  # active rows per step (one y load/store per eight FMAs; 4 measured 4-10 % slower at 40 %)
 AHEAD = 1  # prefetch distance, in steps of ROWS rows
 _LOCALITY = 2  # llvm.prefetch locality 2 = prefetcht1 (into L2), as cpu_rewrite
 _LINE_BYTES = 64
@@ -52,7 +53,7 @@ def row_split(spec: KernelSpec) -> bool:
 @T.macro(hygienic=False)
 def compact_active(d_in, d_out, pad):
     """The active channels' row offsets ``off[:k[0]]`` (i · d_out) and x values ``h``, then ``pad`` copies of the
-    last offset with x = 0 (the unrolled groups of 4 and their prefetches read past the end harmlessly)."""
+    last offset with x = 0 (the unrolled groups of 8 and their prefetches read past the end harmlessly)."""
     k[0] = 0
     for i in range(d_in):
         if mask[i] != T.int8(0):
@@ -65,19 +66,24 @@ def compact_active(d_in, d_out, pad):
 
 
 @T.macro(hygienic=False)
-def four_rows(dst, a0, c0, j, ahead, n_iter, R, L):
-    """``dst[a0 + i] += Σ_{g<4} h[4j + g] · w[off[4j + g] + c0 + i]`` for i < n_iter·L, with the same lines of the
-    4 active rows ``ahead`` groups on prefetched (no Let inside the vectorized loop: TVM 0.27's vectorizer drops
-    the store; the indices are inline)."""
+def eight_rows(dst, a0, c0, j, ahead, n_iter, R, L):
+    """``dst[a0 + i] += Σ_{g<8} h[8j + g] · w[off[8j + g] + c0 + i]`` for i < n_iter·L (two sums of four, then
+    added to dst), with the same lines of the 8 active rows ``ahead`` groups on prefetched (no Let inside the
+    vectorized loop: TVM 0.27's vectorizer drops the store; the indices are inline)."""
     for v in range(n_iter):
-        for g in T.unroll(4):
+        for g in T.unroll(8):
             T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0",
                                           T.address_of(w[off[j * R + R * ahead + g] + c0 + v * L]), 0, _LOCALITY, 1))
         for e in T.vectorized(L):
-            dst[a0 + v * L + e] = (dst[a0 + v * L + e] + h[j * R] * T.Cast("float32", w[off[j * R] + c0 + v * L + e])
-                                   + h[j * R + 1] * T.Cast("float32", w[off[j * R + 1] + c0 + v * L + e])
-                                   + h[j * R + 2] * T.Cast("float32", w[off[j * R + 2] + c0 + v * L + e])
-                                   + h[j * R + 3] * T.Cast("float32", w[off[j * R + 3] + c0 + v * L + e]))
+            dst[a0 + v * L + e] = (dst[a0 + v * L + e]
+                                   + (h[j * R] * T.Cast("float32", w[off[j * R] + c0 + v * L + e])
+                                      + h[j * R + 1] * T.Cast("float32", w[off[j * R + 1] + c0 + v * L + e])
+                                      + h[j * R + 2] * T.Cast("float32", w[off[j * R + 2] + c0 + v * L + e])
+                                      + h[j * R + 3] * T.Cast("float32", w[off[j * R + 3] + c0 + v * L + e]))
+                                   + (h[j * R + 4] * T.Cast("float32", w[off[j * R + 4] + c0 + v * L + e])
+                                      + h[j * R + 5] * T.Cast("float32", w[off[j * R + 5] + c0 + v * L + e])
+                                      + h[j * R + 6] * T.Cast("float32", w[off[j * R + 6] + c0 + v * L + e])
+                                      + h[j * R + 7] * T.Cast("float32", w[off[j * R + 7] + c0 + v * L + e])))
 
 
 def describe(spec: KernelSpec, parts: int) -> tvm.tirx.PrimFunc:
@@ -107,7 +113,7 @@ def describe(spec: KernelSpec, parts: int) -> tvm.tirx.PrimFunc:
                 for e in T.vectorized(L):
                     y[c0 + v * L + e] = T.float32(0)
             for j in range((k[0] + R - 1) // R):
-                four_rows(y, c0, c0, j, AHEAD, n // L, R, L)
+                eight_rows(y, c0, c0, j, AHEAD, n // L, R, L)
 
     return main
 
@@ -141,7 +147,7 @@ def describe_rows(spec: KernelSpec, parts: int, ahead: int = AHEAD) -> tvm.tirx.
                     acc[a0 + v * L + e] = T.float32(0)
             ns = (k[0] + R - 1) // R
             for j in range(p * ns // parts, (p + 1) * ns // parts):
-                four_rows(acc, a0, 0, j, ahead, n_lines, R, L)
+                eight_rows(acc, a0, 0, j, ahead, n_lines, R, L)
         for p in T.parallel(parts):
             for v in range(p * n_lines // parts, (p + 1) * n_lines // parts):
                 for e in T.vectorized(L):
