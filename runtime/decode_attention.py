@@ -1,9 +1,13 @@
-"""Decode attention as plain matmuls: scaled_dot_product_attention(q, k, v, mask, enable_gqa) in the compiled
+"""Decode attention as plain matmuls: scaled_dot_product_attention(q, k, v, mask, enable_gqa) in the
 decode graph → q·kᵀ, mask, softmax, ·v with the query heads of a KV head stacked as rows of one matmul.
 
 torch's CPU flash-attention kernel costs ~160 µs per call for one query token (its per-call buffers and a
 parallel loop over 32 heads × 1 row), which is ~3.5 ms of a 22-layer decode step; the matmul form is two
 small GEMMs and a softmax that inductor fuses. Exact for any query length (the graph is symbolic in it).
+The eager decode graph (``run``, ``serve``'s batched step) takes it too: one thread, 32 query heads over 4 KV
+heads, it costs what flash attention does at 64 cached tokens (34 µs) and less beyond (45 against 54 µs at 128,
+121 / 186 at 512, 445 / 778 at 2000; AMD Zen 5), and a 1B f16 eager step at 1,000 tokens of context ran 45.5
+against 54.0 ms (16 tokens each, 4 interleaved rounds, medians). The prefill graph keeps torch's kernel.
 """
 from __future__ import annotations
 

@@ -51,7 +51,7 @@ class LoadOptions:
     last_logits: bool = True  # (eager) prefill can compute lm_head for the last position only (logit_rows.py)
     compile: bool = False  # torch.compile'd step: opaque copies, native kernel calls, matmul attention
     native: bool = True  # (compile) the decode graph's kernel calls as C++ ops
-    matmul_attention: bool = True  # (compile) decode attention as matmuls
+    matmul_attention: bool = True  # decode attention as matmuls (eager and compiled)
 
 
 @dataclass
@@ -134,7 +134,7 @@ def session_steps(o: LoadOptions) -> list[str]:
     if o.compile:
         steps += ["opaque-calls", "inline-trivial"]
         steps += ["native-calls"] if o.native else []
-        steps += ["decode-attention"] if o.matmul_attention else []
+    steps += ["decode-attention"] if o.matmul_attention else []
     return steps
 
 

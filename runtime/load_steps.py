@@ -161,7 +161,10 @@ def _native_calls(state: LoadState) -> None:
 @load_step("decode-attention", ("decode",), "the decode graph's scaled_dot_product_attention as two matmuls "
            "and a softmax")
 def _decode_attention(state: LoadState) -> None:
+    from picompile.ir.graph import shared_copy
     from picompile.runtime.decode_attention import rewrite_attention
 
     assert state.decode is not None
+    if state.decode is state.graph or state.decode is state.prefill:  # the others keep torch's attention
+        state.decode = shared_copy(state.decode)
     state.notes["attention_rewrites"] = rewrite_attention(state.decode)

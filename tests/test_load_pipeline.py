@@ -46,13 +46,13 @@ def split_artifact(checkpoints: dict, tmp_path_factory: pytest.TempPathFactory) 
 
 # -- the lists ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("options, want", [
-    (LoadOptions(), GRAPH + ["dense-prefill", "kv-arenas", "last-logits"]),
-    (LoadOptions(hybrid="inline", direct=True), GRAPH + ["schedule-hybrid", *RUN, "dense-prefill", "kv-arenas", "last-logits"]),
+    (LoadOptions(), GRAPH + ["dense-prefill", "kv-arenas", "last-logits", "decode-attention"]),
+    (LoadOptions(hybrid="inline", direct=True), GRAPH + ["schedule-hybrid", *RUN, "dense-prefill", "kv-arenas", "last-logits", "decode-attention"]),
     (LoadOptions(dense=True, aligned=True, direct=True),
-     GRAPH + ["align-weights", "drop-masks", *RUN, "dense-prefill", "kv-arenas", "last-logits"]),
+     GRAPH + ["align-weights", "drop-masks", *RUN, "dense-prefill", "kv-arenas", "last-logits", "decode-attention"]),
     (LoadOptions(direct=True, prefill_dtype="bfloat16", kv_in_place=False),
-     GRAPH + RUN + ["dense-prefill", "compute-dtype", "last-logits"]),
-    (LoadOptions(last_logits=False), GRAPH + ["dense-prefill", "kv-arenas"]),
+     GRAPH + RUN + ["dense-prefill", "compute-dtype", "last-logits", "decode-attention"]),
+    (LoadOptions(last_logits=False, matmul_attention=False), GRAPH + ["dense-prefill", "kv-arenas"]),
     (LoadOptions(hybrid="thread", direct=True, compile=True),
      GRAPH + ["schedule-hybrid", *RUN, "dense-prefill", "kv-arenas", "opaque-calls", "inline-trivial", "native-calls",
               "decode-attention"]),
@@ -69,15 +69,15 @@ def test_each_load_path_has_its_step_list(options: LoadOptions, want: list[str])
 
 def test_a_load_reports_its_steps(split_artifact: Path) -> None:
     inline = picompile.load(split_artifact)  # auto → inline here (no CUDA)
-    assert inline.load_steps == GRAPH + ["schedule-hybrid", *RUN, "dense-prefill", "kv-arenas", "last-logits"]
+    assert inline.load_steps == GRAPH + ["schedule-hybrid", *RUN, "dense-prefill", "kv-arenas", "last-logits", "decode-attention"]
     assert set(inline.load_seconds) == set(inline.load_steps)
     assert inline.kv is not None and inline.dense_prefill
     dense = picompile.load(split_artifact, dense=True, hybrid="off")
-    assert dense.load_steps == GRAPH + ["drop-masks", *RUN, "dense-prefill", "kv-arenas", "last-logits"]
+    assert dense.load_steps == GRAPH + ["drop-masks", *RUN, "dense-prefill", "kv-arenas", "last-logits", "decode-attention"]
     assert not dense.dense_prefill  # the graph had no mask left to drop
     # a session made from a graph runs (and reports) its own steps only
     own = Session(dense.root, dense.manifest, dense.graph, dense.tokenizer, kv_in_place=False)
-    assert own.load_steps == ["dense-prefill", "last-logits"] and own.kv is None and own.kv_reason == "kv_in_place=False"
+    assert own.load_steps == ["dense-prefill", "last-logits", "decode-attention"] and own.kv is None and own.kv_reason == "kv_in_place=False"
 
 
 def test_hybrid_masks_are_named_and_dropped(split_artifact: Path) -> None:
@@ -100,7 +100,7 @@ def test_print_after_and_dump_ir(split_artifact: Path, tmp_path: Path) -> None:
     session = picompile.load(split_artifact, dense=True, print_after=["schedule-hybrid", "kv-arenas"],
                              dump_ir=tmp_path / "ir", emit=printed.append)
     steps = session.load_steps
-    assert steps == GRAPH + ["drop-masks", "schedule-hybrid", *RUN, "dense-prefill", "kv-arenas", "last-logits"]
+    assert steps == GRAPH + ["drop-masks", "schedule-hybrid", *RUN, "dense-prefill", "kv-arenas", "last-logits", "decode-attention"]
     assert list(session.load_rss_bytes) == steps and all(v > 0 for v in session.load_rss_bytes.values())
     assert [t.splitlines()[0] for t in printed] == ["# ---- graph graph after load step schedule-hybrid ----",
                                                    "# ---- decode = prefill graph after load step kv-arenas ----"]
@@ -123,11 +123,13 @@ def test_print_after_all_prints_every_step(split_artifact: Path) -> None:
     steps = [h.rsplit("load step ", 1)[1].removesuffix(" ----") for h in heads]
     assert list(dict.fromkeys(steps)) == session.load_steps
     # prefill has a mask-free copy of its own here: kv-arenas wrote two graphs, each printed
-    assert heads[-3:] == ["# ---- decode graph after load step kv-arenas ----",
+    assert heads[-4:] == ["# ---- decode graph after load step kv-arenas ----",
                           "# ---- prefill graph after load step kv-arenas ----",
-                          "# ---- prefill graph after load step last-logits ----"]
-    assert heads[-4] == "# ---- prefill graph after load step dense-prefill ----"
-    assert "logit_rows" in printed[-1] and "logit_rows" not in printed[-2]
+                          "# ---- prefill graph after load step last-logits ----",
+                          "# ---- decode graph after load step decode-attention ----"]
+    assert heads[-5] == "# ---- prefill graph after load step dense-prefill ----"
+    assert "logit_rows" in printed[-2] and "logit_rows" not in printed[-3]
+    assert "grouped_attention" in printed[-1] and "scaled_dot_product_attention" in printed[-2]
 
 
 def test_unknown_step_is_one_line_listing_the_load(split_artifact: Path) -> None:
@@ -135,7 +137,7 @@ def test_unknown_step_is_one_line_listing_the_load(split_artifact: Path) -> None
         picompile.load(split_artifact, hybrid="off", print_after=["nope", "kv-arenas"])
     msg = str(e.value)
     assert "\n" not in msg and "unknown load step(s) nope;" in msg
-    assert msg.endswith("this load runs: " + ", ".join(GRAPH + RUN + ["dense-prefill", "kv-arenas", "last-logits"]))
+    assert msg.endswith("this load runs: " + ", ".join(GRAPH + RUN + ["dense-prefill", "kv-arenas", "last-logits", "decode-attention"]))
     with pytest.raises(InputError, match="schedule-hybrid;"):  # named, but not a step of this load
         picompile.load(split_artifact, hybrid="off", print_after=["schedule-hybrid"])
 
@@ -153,14 +155,14 @@ def test_cli_run_and_inspect(split_artifact: Path, tmp_path: Path, capsys: pytes
     assert main(["run", str(split_artifact), "--ids", "5,6,7", "-n", "3", "--json", "--print-after", "kv-arenas"]) == 0
     captured = capsys.readouterr()
     result = json.loads(captured.out)  # the graphs went to stderr: stdout stays JSON
-    assert result["load_steps"][-2:] == ["kv-arenas", "last-logits"] and "load step kv-arenas" in captured.err
+    assert result["load_steps"][-3:] == ["kv-arenas", "last-logits", "decode-attention"] and "load step kv-arenas" in captured.err
 
     assert main(["inspect", str(split_artifact), "--graph", "--hybrid", "off", "--print-after", "bind-weights,kv-arenas",
                  "--dump-ir", str(tmp_path / "inspect")]) == 0
     out = capsys.readouterr().out
     assert out.index("FFN layers") < out.index("after load step bind-weights") < out.index("after load step kv-arenas")
     assert "load     flatten-signature → bind-weights" in out
-    assert len(list((tmp_path / "inspect").iterdir())) == len(GRAPH + RUN) + 3  # + dense-prefill, kv-arenas, last-logits
+    assert len(list((tmp_path / "inspect").iterdir())) == len(GRAPH + RUN) + 4  # + dense-prefill, kv-arenas, last-logits, decode-attention
 
     assert main(["inspect", str(split_artifact), "--print-after", "nope"]) == 2
     captured = capsys.readouterr()

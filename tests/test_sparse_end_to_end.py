@@ -73,7 +73,7 @@ def test_trained_build_reports_layers(checkpoints: dict, tmp_path: Path, capsys:
     with torch.inference_mode():
         past = dense.graph(torch.tensor([PROMPT]), *dense.empty_past())[1:]
         want = session.graph(torch.tensor([[3]]), *past)[0][0]
-    torch.testing.assert_close(step, want, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(step, want, atol=1e-5, rtol=1e-5)  # (the decoder's attention is matmuls: load step decode-attention)
 
 
 def test_stories260k(shared_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
