@@ -9,6 +9,8 @@ size of the float16 weights again), and the rounding — ~3e-3 relative error pe
 ~3e-4 for float16 activations. Only the several-token (prefill) graph is rewritten; decode reads the
 artifact's own weights through its kernels. A hybrid-scheduled FFN layer becomes one ``PrefillFFN``
 (``runtime/prefill_gemm.py``): up and gate of both parts in one GEMM, the down projection in nn.Linear layout.
+An input-sparse linear (``sparsify-inputs``: ``w_t`` input-major) becomes ``linear(x · mask)`` on a copy of
+``w_tᵀ`` in nn.Linear layout (streamed: ``w_t`` converted per call and read transposed).
 
 Which dtype prefill runs in (``choose``): ``prefill_dtype="auto"`` (the default) is bfloat16 for a float16
 artifact on a CPU with AVX512-BF16 and no native float16 GEMM (AMD Zen 4, Intel Cooper Lake), where the
