@@ -27,7 +27,7 @@ from tvm.script import tirx as T
 
 from .spec import KernelSpec
 
-ROWS = 8  # active rows per step (one y load/store per eight FMAs; 4 measured 4-10 % slower at 40 %)
+ROWS = 8  # active rows per step (one y load/store per eight FMAs; 4 measured 4-10 % slower at 40 %); eight_rows is written for 8
 AHEAD = 1  # prefetch distance, in steps of ROWS rows
 _LOCALITY = 2  # llvm.prefetch locality 2 = prefetcht1 (into L2), as cpu_rewrite
 _LINE_BYTES = 64

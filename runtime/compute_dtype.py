@@ -294,6 +294,14 @@ def _input_sparse(gm: fx.GraphModule, node: fx.Node, dtype: torch.dtype) -> bool
     return w.dim() == 2 and w.is_floating_point() and w.dtype != dtype
 
 
+def _masked_input(gm: fx.GraphModule, node: fx.Node, a: dict[str, Any]) -> Any:
+    """An input-sparse linear's ``x · mask`` as a node before ``node`` (``x`` itself without a mask)."""
+    if a["mask"] is None:
+        return a["x"]
+    with gm.graph.inserting_before(node):
+        return gm.graph.call_function(aten.mul.Tensor, (a["x"], a["mask"]))
+
+
 def _streamed(gm: fx.GraphModule) -> fx.GraphModule:
     """``with_compute_dtype(..., streamed=True)``'s rewrite of the copy ``gm``: FFN parts → ``StreamedFFN``,
     linears → ``StreamedLinear`` (float32 weights too, as the copies convert them; FFNs that ``PrefillFFN`` does
@@ -305,8 +313,7 @@ def _streamed(gm: fx.GraphModule) -> fx.GraphModule:
         if _input_sparse(gm, node, torch.bfloat16):
             a = args_of(node)
             scratch.prepare(get_tensor(gm, a["w_t"]), None)
-            with gm.graph.inserting_before(node):
-                x = a["x"] if a["mask"] is None else gm.graph.call_function(aten.mul.Tensor, (a["x"], a["mask"]))
+            x = _masked_input(gm, node, a)
             node.target, node.args, node.kwargs = StreamedLinear(scratch, input_major=True), (x, a["w_t"], a["b"], None), {}
             continue
         if _op_name(node) not in ("linear", "tvm_linear"):
@@ -379,8 +386,7 @@ def with_compute_dtype(gm: fx.GraphModule, dtype: torch.dtype, streamed: bool = 
             continue
         if _input_sparse(out, node, dtype):
             a = args_of(node)
-            with out.graph.inserting_before(node):
-                x = a["x"] if a["mask"] is None else out.graph.call_function(aten.mul.Tensor, (a["x"], a["mask"]))
+            x = _masked_input(out, node, a)
             node.target = _OPS.linear.default
             node.args, node.kwargs = call_args("linear", {"x": x, "w": input_major(a["w_t"]), "b": a["b"]}), {}
             continue
