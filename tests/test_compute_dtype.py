@@ -111,20 +111,22 @@ def test_cli_run_prefill_dtype(f16_cpu_artifact: Path, capsys: pytest.CaptureFix
     assert len(json.loads(capsys.readouterr().out)["ids"]) == 3
 
 
-def _cpu(monkeypatch: pytest.MonkeyPatch, amx: bool, bf16: bool, available_gib: float, total_gib: float = 24) -> None:
+def _cpu(monkeypatch: pytest.MonkeyPatch, amx: bool, bf16: bool, available_gib: float, total_gib: float = 24,
+         amx_fp16: bool = False) -> None:
     from picompile.ir import ops
 
     monkeypatch.setattr(ops, "native_half_gemm", lambda: amx)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_amx_fp16_supported", lambda: amx_fp16)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16)
     monkeypatch.setattr(compute_dtype, "_meminfo", lambda: {"MemAvailable": int(available_gib * 2**30),
                                                             "MemTotal": int(total_gib * 2**30)})
 
 
 def test_auto_is_bfloat16_only_where_it_pays_and_fits(monkeypatch: pytest.MonkeyPatch) -> None:
-    """auto: bfloat16 for float16 weights on AVX512-BF16 without a native float16 GEMM — on copies where they
+    """auto: bfloat16 for float16 weights on AVX512-BF16 or AMX-BF16 without AMX-FP16 — on copies where they
     leave the reserve free and cost at most an eighth of the memory, streamed (no copy) otherwise; the weights'
-    dtype on AMX, without AVX512-BF16, or for float32 weights."""
+    dtype with AMX-FP16, without a bfloat16 GEMM, or for float32 weights."""
     gib = 2**30
     _cpu(monkeypatch, amx=False, bf16=True, available_gib=20)
     assert choose(None, "float16", 2 * gib)[0] == "bfloat16" == choose("auto", "float16", 2 * gib)[0]
@@ -142,8 +144,10 @@ def test_auto_is_bfloat16_only_where_it_pays_and_fits(monkeypatch: pytest.Monkey
     assert choose(None, "float16", 3 * gib)[0] == "bfloat16"  # an eighth: still a copy
     assert choose(None, "float16", 2 * gib, loading_bytes=2 * gib)[0] == "bfloat16"  # a 1B: both fit
     assert choose(None, "float16", 2 * gib, kernels=False)[0] is None  # the reference pipeline's artifact
-    _cpu(monkeypatch, amx=True, bf16=True, available_gib=20)
-    assert choose(None, "float16", 2 * gib) == (None, "auto: this CPU has a native float16 GEMM (AMX)")
+    _cpu(monkeypatch, amx=True, bf16=True, available_gib=20)  # Sapphire Rapids: AMX-BF16, float16 on AVX512-FP16
+    assert choose(None, "float16", 2 * gib) == ("bfloat16", "auto: AMX-BF16 without AMX-FP16; bfloat16 copy 2.0 GiB")
+    _cpu(monkeypatch, amx=True, bf16=True, available_gib=20, amx_fp16=True)  # Granite Rapids: a float16 unit
+    assert choose(None, "float16", 2 * gib) == (None, "auto: this CPU has AMX-FP16 (a float16 GEMM unit)")
     assert choose("bfloat16", "float16", 2 * gib)[0] == "bfloat16"  # asked for: still there
     assert choose("bfloat16-stream", "float16", 2 * gib)[0] == "bfloat16-stream"
     _cpu(monkeypatch, amx=False, bf16=False, available_gib=20)
