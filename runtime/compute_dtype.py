@@ -140,8 +140,6 @@ def choose(name: str | None, weight_dtype: str, copy_bytes: int, kernels: bool =
     if name not in (None, "auto"):
         resolve(name)
         return (None, "prefill_dtype='weights'") if name == "weights" else (name, f"prefill_dtype={name!r}")
-    from picompile.ir.ops import native_half_gemm
-
     if not kernels:
         return None, "auto: an artifact of reference ops (no kernels) keeps the reference math"
     if weight_dtype in QUANTIZED:
@@ -158,8 +156,7 @@ def choose(name: str | None, weight_dtype: str, copy_bytes: int, kernels: bool =
     if torch.cpu._is_amx_fp16_supported():
         return None, "auto: this CPU has AMX-FP16 (a float16 GEMM unit)"
     if not has_bf16_gemm():
-        return None, ("auto: no AMX or AVX512-BF16 here (float16 weights "
-                      + ("multiplied in float16)" if native_half_gemm() else "widened to float32 per call)"))
+        return None, "auto: no AMX or AVX512-BF16 here (float16 weights widened to float32 per call)"
     unit = "AMX-BF16 without AMX-FP16" if torch.cpu._is_amx_tile_supported() else "AVX512-BF16 without AMX"
     copy, why = _copy_or_stream(copy_bytes, loading_bytes)
     if not copy:
