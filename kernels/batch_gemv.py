@@ -140,44 +140,50 @@ def describe(spec: KernelSpec, parts: int) -> tvm.tirx.PrimFunc:
     return main
 
 
-GROUP = 8  # rows per prefetch group of the down kernel
-AHEAD = 8  # rows it prefetches ahead
+GROUP = 8  # rows per step of the down kernel (one load / store of a y tile per GROUP rows' FMAs)
 
 
 def describe_down(spec: KernelSpec, parts: int) -> tvm.tirx.PrimFunc:
-    """Kind ``down`` for several tokens, ``main(h, w_down_t, idx, y)``: ``y[t] = Σ_j h[t, j] · w_down_t[idx[j]]``
+    """Kind ``gemv_down`` for several tokens, ``main(h, w_down_t, idx, y)``: ``y[t] = Σ_j h[t, j] · w_down_t[idx[j]]``
     (``h`` ``[T, k]``, ``y`` ``[T, d_model]`` written). Threads split y's columns (``parts`` contiguous ranges of
-    64-column tiles); per column tile and tile of 4 (2, 1) tokens the 4 × 64 sums stay in registers while the
-    selected rows' 128-byte pieces stream past, each loaded and widened once for the tokens. The pieces are far
-    apart, so the rows ``AHEAD`` on are prefetched, ``GROUP`` at a time (a prefetch is a call to LLVM: between
-    two, the sums go to memory, so the calls are kept out of each row's step). Each y element adds its rows one
-    after the other in ascending ``j`` whatever T is, so rows whose ``h`` is 0 for a token add exact zeros to
-    its sums (``runtime/batch_ffn.py``)."""
+    64-column tiles), so each reads one contiguous piece of every selected row (``d_model / parts`` elements) and
+    keeps its range of the T tokens' ``y`` in L1. It walks the selected rows ``GROUP`` at a time; per group and
+    64-column tile it prefetches the same piece of the next group's rows, then for each tile of 4 (2, 1) tokens
+    loads the 4 × 64 sums, adds the group's rows (each 128-byte piece loaded and widened once per token tile) and
+    stores them. So every row is read once whatever T is, as ``GROUP`` sequential streams (the loop over columns
+    outside the rows it replaced read 128 bytes of every row in turn: 1.4–2.0× slower, ``benchmarks/README.md``,
+    serving). Each y element adds its rows one after the other in ascending ``j`` whatever T is, so rows whose
+    ``h`` is 0 for a token add exact zeros to its sums (``runtime/batch_ffn.py``)."""
     d, n, wdt = spec.d_model, spec.n_rows, spec.weight_dtype
     n_sub = d // COLS
     parts = max(1, min(parts, n_sub))
+    per_line = 64 // (2 if wdt == "float16" else 4)  # elements per cache line
+    LINES = COLS // per_line  # cache lines of one row's piece of a column tile
 
     @T.macro(hygienic=False)
-    def tile(TS):
+    def rows(TS, j0, G):  # y[t0:t0+TS, c0:c0+COLS] += rows j0..j0+G-1 (in order)
         for tt in T.unroll(TS):
             for e in T.vectorized(COLS):
-                acc[tt, e] = T.float32(0)
-        for jg in range(k // GROUP):
-            for g in range(GROUP):
-                ahead = idx[T.min(jg * GROUP + g + AHEAD, k - 1)] * d + c0
-                T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(wf[ahead]), 0, 3, 1))
-                T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(wf[ahead + 32]), 0, 3, 1))
-            for g in T.unroll(GROUP):
-                for tt in T.unroll(TS):
-                    for e in T.vectorized(COLS):
-                        acc[tt, e] = acc[tt, e] + h[t0 + tt, jg * GROUP + g] * T.Cast("float32", w[idx[jg * GROUP + g], c0 + e])
-        for j in range(k - k // GROUP * GROUP):
+                acc[tt, e] = y[t0 + tt, c0 + e]
+        for g in T.unroll(G):
             for tt in T.unroll(TS):
                 for e in T.vectorized(COLS):
-                    acc[tt, e] = acc[tt, e] + h[t0 + tt, k // GROUP * GROUP + j] * T.Cast("float32", w[idx[k // GROUP * GROUP + j], c0 + e])
+                    acc[tt, e] = acc[tt, e] + h[t0 + tt, j0 + g] * T.Cast("float32", w[idx[j0 + g], c0 + e])
         for tt in T.unroll(TS):
             for e in T.vectorized(COLS):
                 y[t0 + tt, c0 + e] = acc[tt, e]
+
+    @T.macro(hygienic=False)
+    def token_tiles(j0, G, step):  # ``step`` (``rows``) for each tile of 4 tokens, then one of 2, then one of 1
+        for q in range(n_tiles):
+            t0 = T.if_then_else(q < n4, q * 4, T.if_then_else(q == n4 and t % 4 >= 2, n4 * 4, t - 1))
+            ts = T.if_then_else(q < n4, 4, T.if_then_else(q == n4 and t % 4 >= 2, 2, 1))
+            if ts == 4:
+                step(4, j0, G)
+            elif ts == 2:
+                step(2, j0, G)
+            else:
+                step(1, j0, G)
 
     @T.prim_func
     def main(h_h: T.handle, w: T.Buffer((n, d), wdt), idx_h: T.handle, y_h: T.handle):
@@ -190,17 +196,27 @@ def describe_down(spec: KernelSpec, parts: int) -> tvm.tirx.PrimFunc:
         wf = T.decl_buffer((n * d,), wdt, data=w.data)
         for p in T.parallel(parts):
             acc = T.alloc_buffer((4, COLS), "float32")
-            for sc in range((p + 1) * n_sub // parts - p * n_sub // parts):
-                c0 = (p * n_sub // parts + sc) * COLS
-                for q in range(t // 4 + (t % 4) // 2 + t % 2):
-                    n4 = t // 4
-                    t0 = T.if_then_else(q < n4, q * 4, T.if_then_else(q == n4 and t % 4 >= 2, n4 * 4, t - 1))
-                    ts = T.if_then_else(q < n4, 4, T.if_then_else(q == n4 and t % 4 >= 2, 2, 1))
-                    if ts == 4:
-                        tile(4)
-                    elif ts == 2:
-                        tile(2)
-                    else:
-                        tile(1)
+            s_lo = p * n_sub // parts
+            s_n = (p + 1) * n_sub // parts - s_lo
+            n4 = t // 4
+            n_tiles = n4 + (t % 4) // 2 + t % 2
+            for tt in range(t):
+                for sc in range(s_n):
+                    for e in T.vectorized(COLS):
+                        y[tt, (s_lo + sc) * COLS + e] = T.float32(0)
+            for jg in range(k // GROUP):
+                for sc in range(s_n):
+                    c0 = (s_lo + sc) * COLS
+                    for g in range(GROUP):  # the same piece of the next group's rows (a hint: never faults)
+                        for ln in range(LINES):
+                            T.evaluate(T.call_llvm_intrin(
+                                "void", "llvm.prefetch.p0",
+                                T.address_of(wf[idx[T.min(jg * GROUP + GROUP + g, k - 1)] * d + c0 + ln * per_line]),
+                                0, 3, 1))
+                    token_tiles(jg * GROUP, GROUP, rows)
+            for sc in range(s_n):
+                c0 = (s_lo + sc) * COLS
+                for j in range(k - k // GROUP * GROUP):
+                    token_tiles(k // GROUP * GROUP + j, 1, rows)
 
     return main
