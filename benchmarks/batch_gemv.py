@@ -1,7 +1,12 @@
-"""The serving step's ``gemv`` kernel (``kernels/batch_gemv.py``) at 1, 2, 4 and 8 tokens: time and bandwidth.
+"""The serving step's ``gemv`` / ``gemv_down`` kernels (``kernels/batch_gemv.py``) at 1, 2, 4 and 8 tokens: time
+and bandwidth.
 
-    python benchmarks/batch_gemv.py [--shapes 2048x2048,5632x2048,32000x2048] [--rows-fraction 1.0]
-                                    [--tokens 1,2,4,8] [--dtype float16] [--rounds 40] [--rotate-mib 160]
+    python benchmarks/batch_gemv.py [--kind gemv|gemv_down] [--shapes 2048x2048,5632x2048,32000x2048]
+                                    [--rows-fraction 1.0] [--tokens 1,2,4,8] [--dtype float16] [--rounds 40]
+                                    [--rotate-mib 160]
+
+``--kind gemv_down``: the union FFN's down sums (``y [T, d_model] = h [T, k] · w_down_t[idx]``), shape ``n_rows x
+d_model`` as for ``gemv`` (rows of the input-major down weight).
 
 Per shape (``n_rows x d_model``) the kernel the server builds (``runtime/batch_predict.multi_gemv_kernel``), over
 every row (a linear layer) or a sorted random ``--rows-fraction`` of them (the union FFN's rows), for each token
@@ -28,6 +33,7 @@ def main() -> None:
     ap.add_argument("--rows-fraction", type=float, default=1.0, help="the share of rows selected (sorted, random)")
     ap.add_argument("--tokens", default="1,2,4,8")
     ap.add_argument("--dtype", choices=["float16", "float32"], default="float16")
+    ap.add_argument("--kind", choices=["gemv", "gemv_down"], default="gemv")
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--rotate-mib", type=int, default=160, help="weight copies rotated per call, in MiB")
     args = ap.parse_args()
@@ -39,9 +45,9 @@ def main() -> None:
     print(f"{'shape':>12} {'rows':>6} " + " ".join(f"{f'T={t} µs (GB/s, ×T=1)':>26}" for t in tokens))
     for shape in args.shapes.split(","):
         n, d = (int(v) for v in shape.split("x"))
-        kern = multi_gemv_kernel(n, d, dtype)
+        kern = multi_gemv_kernel(n, d, dtype, args.kind)
         if kern is None:
-            raise SystemExit(f"no gemv kernel for {shape} {args.dtype} here")
+            raise SystemExit(f"no {args.kind} kernel for {shape} {args.dtype} here")
         size = n * d * dtype.itemsize
         copies = max(3, args.rotate_mib * 2**20 // size + 1)
         ws = [torch.randn(n, d, generator=g).to(dtype) for _ in range(copies)]  # [n_rows, d_model] each
@@ -49,8 +55,13 @@ def main() -> None:
             idx = torch.arange(n, dtype=torch.int32)
         else:
             idx = torch.randperm(n, generator=g)[: max(1, int(n * args.rows_fraction))].sort().values.to(torch.int32)
-        xs = {t: as_aligned(torch.randn(t, d, generator=g)) for t in tokens}  # [T, d_model]
-        ys = {t: aligned_empty((t, idx.numel())) for t in tokens}  # [T, k]
+        k = idx.numel()
+        if args.kind == "gemv":
+            xs = {t: as_aligned(torch.randn(t, d, generator=g)) for t in tokens}  # [T, d_model]
+            ys = {t: aligned_empty((t, k)) for t in tokens}  # [T, k]
+        else:  # gemv_down: h [T, k] in, y [T, d_model] out
+            xs = {t: as_aligned(torch.randn(t, k, generator=g)) for t in tokens}
+            ys = {t: aligned_empty((t, d)) for t in tokens}
         times: dict[int, list[float]] = {t: [] for t in tokens}
         call = 0
         for _ in range(args.rounds):

@@ -19,7 +19,8 @@ A sequence's result never depends on the others: the per-sequence nodes compute 
 stacked glue computes each row as alone, the batched kernels form each (row, token) sum the same way whatever B
 is, and the union FFN's extra rows add exact zeros to a token's sums, in ascending row order
 (``tests/test_serve_batch.py`` checks bit for bit and greedy outputs token for token). So that a request alone and
-a request in a batch give the same floats, the server runs every decode step through this form, B = 1 included;
+a request in a batch give the same floats, the server runs every decode step through this form, B = 1 included
+(but see ``union_ffn`` below: a lone sequence takes the fused one-token FFN in every mode);
 its sums run in another order than ``Session.generate``'s one-token kernels (fused FFN, fused predictor, GEMV),
 so its text can differ from ``run``'s where two logits are near-tied or a predictor score sits at its threshold.
 
@@ -28,7 +29,10 @@ with the one-token fused kernels, each with its own mask (exact as alone; B time
 faster at 1, 4 and 16 clients on the 1B f16 artifact, ``benchmarks/README.md``); ``union_ffn=None``
 (``--batch-ffn auto``) takes the union FFN where its weights are float and runs int8 / int4 FFNs per sequence
 (their split kernels' batched forms are compute-bound); ``union_ffn=True`` (``--batch-ffn union``) takes it for
-every dtype. A node
+every dtype. In those two modes a step of one sequence still runs the fused one-token FFN and predictor
+(``batch_graph``), whose sums run in another order than the union path's, so a request alone and the same request
+beside others differ in the last bits (max 2.6e-6 in a 1B f16 step's logits) and their greedy text can differ
+where two logits are that close; only ``per-request`` is exact bit for bit at every B. A node
 whose batched kernels cannot be had (no TVM compiler to build them, a part on the GPU) runs per sequence in
 either mode.
 
