@@ -162,18 +162,18 @@ def _gated_relu_rows(x: Tensor, w_up: Tensor, b_up: Optional[Tensor], w_gate: Op
     keep = g > 0  # [B, k]
     if b > 1:
         keep &= sel.index_select(1, idx)  # each token's own neurons only
-    live = keep.any(0)  # [k]
-    rows = idx[live].contiguous()  # [k_live]
+    live = keep.any(0).nonzero().squeeze(1)  # [k_live] int64: positions in idx (one nonzero, then index_select)
+    rows = idx.index_select(0, live)  # [k_live]
     u = aligned_empty((b, rows.numel()))  # [B, k_live]: up rows · x
     kern.unchecked(x, w_up, rows, u)
     if b_up is not None:
         u += b_up.index_select(0, rows).float()
     if spec.act == "drelu":
         u.relu_()
-    h = g[:, live].relu_().mul_(u)  # [B, k_live]: act(gate) * up, as _up_by_gemv
+    h = g.index_select(1, live).relu_().mul_(u)  # [B, k_live]: act(gate) * up, as _up_by_gemv
     if b > 1:
-        h.masked_fill_(~keep[:, live], 0.0)
-    return rows, as_aligned(h.contiguous())
+        h.masked_fill_(keep.index_select(1, live).logical_not_(), 0.0)
+    return rows, as_aligned(h)
 
 
 def _up_by_gemv(x: Tensor, w_up: Tensor, b_up: Optional[Tensor], w_gate: Optional[Tensor], idx: Tensor,
