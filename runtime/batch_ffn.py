@@ -128,8 +128,9 @@ def batched_part(
             h.masked_fill_(~sel.index_select(1, idx), 0.0)  # each token's own neurons only
         live = h.ne(0).any(0)  # [k_union]: rows some token needs
         if not bool(live.all()):
-            idx = idx[live]
-            h = as_aligned(h[:, live].contiguous())
+            keep = live.nonzero().squeeze(1)  # [k_live]
+            idx = idx.index_select(0, keep)
+            h = as_aligned(h.index_select(1, keep))
     y = aligned_empty((b, d))  # [B, d_model]
     multi = multi_gemv_kernel(w_down_t.shape[0], d, w_down_t.dtype, "gemv_down") if s_down is None else None
     if multi is not None:  # each row read once for all B tokens (kernels/batch_gemv.py)
