@@ -30,6 +30,7 @@ from tvm.script import tirx as T
 from .spec import KernelSpec
 
 LANES = 32  # float32 accumulators per token (one float16 cache line per chunk)
+LINE_BYTES = 64
 COLS = 64  # the down kernel's y columns per register tile (4 float32 vectors per token)
 TILES = (4, 2, 1)  # tokens per pass over a row
 ROWS_AHEAD = 4  # the chunk loop prefetches the same chunk of the selected row this many rows on
@@ -41,12 +42,17 @@ def supports(spec: KernelSpec) -> bool:
     return spec.weight_dtype in ("float32", "float16") and spec.d_model % (LANES if spec.kind == "gemv" else COLS) == 0
 
 
+def _per_line(wdt: str) -> int:
+    """Elements of a ``wdt`` weight per cache line."""
+    return LINE_BYTES // (2 if wdt == "float16" else 4)
+
+
 def describe(spec: KernelSpec, parts: int) -> tvm.tirx.PrimFunc:
     """The PrimFunc ``main(x, w, idx, y)`` for ``spec`` (kind ``gemv``), rows split over ``parts`` tasks."""
     d, n, wdt = spec.d_model, spec.n_rows, spec.weight_dtype
     L = LANES
     C = d // L  # chunks per row
-    per_line = 64 // (2 if wdt == "float16" else 4)  # elements per cache line
+    per_line = _per_line(wdt)
     LINES = d // per_line
     parts = max(1, parts)
 
@@ -157,7 +163,7 @@ def describe_down(spec: KernelSpec, parts: int) -> tvm.tirx.PrimFunc:
     d, n, wdt = spec.d_model, spec.n_rows, spec.weight_dtype
     n_sub = d // COLS
     parts = max(1, min(parts, n_sub))
-    per_line = 64 // (2 if wdt == "float16" else 4)  # elements per cache line
+    per_line = _per_line(wdt)
     LINES = COLS // per_line  # cache lines of one row's piece of a column tile
 
     @T.macro(hygienic=False)
