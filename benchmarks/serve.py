@@ -120,8 +120,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--time-limit", type=float, default=900.0, help="seconds for the whole run at most")
-    ap.add_argument("--batch-ffn", default="per-request",
-                    help="the server's --batch-ffn, or several comma-separated, side by side (default per-request, "
+    ap.add_argument("--batch-ffn", default="auto",
+                    help="the server's --batch-ffn, or several comma-separated, side by side (default auto, "
                          "as the server's)")
     ap.add_argument("--rounds", type=int, default=1, help="rounds of every level and mode (medians reported)")
     ap.add_argument("--json", action="store_true")

@@ -39,7 +39,12 @@ ROWS_AHEAD = 4  # the chunk loop prefetches the same chunk of the selected row t
 def supports(spec: KernelSpec) -> bool:
     """Whether ``spec`` (kind ``gemv`` / ``gemv_down``) has these schedules: float weights, d_model a multiple of
     the lanes (``gemv``) or of the 64-column tile (``gemv_down``)."""
-    return spec.weight_dtype in ("float32", "float16") and spec.d_model % (LANES if spec.kind == "gemv" else COLS) == 0
+    return spec.weight_dtype in ("float32", "float16") and spec.d_model % (lanes(spec) if spec.kind == "gemv" else COLS) == 0
+
+
+def lanes(spec: KernelSpec) -> int:
+    """Float32 accumulators of one ``gemv`` dot product: the spec's ``lanes``, by default ``LANES``."""
+    return spec.lanes or LANES
 
 
 def _per_line(wdt: str) -> int:
@@ -50,29 +55,53 @@ def _per_line(wdt: str) -> int:
 def describe(spec: KernelSpec, parts: int) -> tvm.tirx.PrimFunc:
     """The PrimFunc ``main(x, w, idx, y)`` for ``spec`` (kind ``gemv``), rows split over ``parts`` tasks."""
     d, n, wdt = spec.d_model, spec.n_rows, spec.weight_dtype
-    L = LANES
+    L = lanes(spec)
     C = d // L  # chunks per row
+    pairs = L <= LANES  # two rows per pass of 4 tokens (64 lanes: of 2 tokens; 4 × 64 accumulators fill the registers)
+    PT = 4 if pairs else 2  # tokens per two-row pass
     per_line = _per_line(wdt)
     LINES = d // per_line
     parts = max(1, parts)
 
     @T.macro(hygienic=False)
-    def _prefetch_chunk(buf, at):  # a chunk's cache lines (1 float16, 2 float32) into L1 (a hint: never faults)
-        for ln in T.unroll(L // per_line):
+    def _prefetch_chunk(buf, at):  # a chunk's cache lines (32 lanes: 1 float16, 2 float32) into L1 (a hint)
+        for ln in T.unroll(max(1, L // per_line)):
             T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(buf[at + ln * per_line]), 0, 3, 1))
 
     @T.macro(hygienic=False)
-    def tree(a, TS, j):  # y[t0 + tt, j] = the halving tree of a[tt, :] (32 → 16 → … → 1)
+    def tree(a, TS, j, tb):  # y[tb + tt, j] = the halving tree of a[tt, :] (L → L/2 → … → 1), as cpu._rfactor_tree
         for tt in T.unroll(TS):
-            for e in T.vectorized(16):
-                s16[tt, e] = a[tt, e] + a[tt, e + 16]
-            for e in T.vectorized(8):
-                s8[tt, e] = s16[tt, e] + s16[tt, e + 8]
-            for e in T.vectorized(4):
-                s4[tt, e] = s8[tt, e] + s8[tt, e + 4]
-            for e in T.vectorized(2):
-                s2[tt, e] = s4[tt, e] + s4[tt, e + 2]
-            y[t0 + tt, j] = s2[tt, 0] + s2[tt, 1]
+            if L == 64:
+                for e in T.vectorized(32):
+                    s32[tt, e] = a[tt, e] + a[tt, e + 32]
+            if L >= 64:
+                for e in T.vectorized(16):
+                    s16[tt, e] = s32[tt, e] + s32[tt, e + 16]
+            if L == 32:
+                for e in T.vectorized(16):
+                    s16[tt, e] = a[tt, e] + a[tt, e + 16]
+            if L >= 32:
+                for e in T.vectorized(8):
+                    s8[tt, e] = s16[tt, e] + s16[tt, e + 8]
+            if L == 16:
+                for e in T.vectorized(8):
+                    s8[tt, e] = a[tt, e] + a[tt, e + 8]
+            if L >= 16:
+                for e in T.vectorized(4):
+                    s4[tt, e] = s8[tt, e] + s8[tt, e + 4]
+            if L == 8:
+                for e in T.vectorized(4):
+                    s4[tt, e] = a[tt, e] + a[tt, e + 4]
+            if L >= 8:
+                for e in T.vectorized(2):
+                    s2[tt, e] = s4[tt, e] + s4[tt, e + 2]
+            if L == 4:
+                for e in T.vectorized(2):
+                    s2[tt, e] = a[tt, e] + a[tt, e + 2]
+            if L >= 4:
+                y[tb + tt, j] = s2[tt, 0] + s2[tt, 1]
+            if L == 2:
+                y[tb + tt, j] = a[tt, 0] + a[tt, 1]
 
     @T.macro(hygienic=False)
     def one(TS, j):  # row idx[j] for the TS tokens from t0
@@ -84,7 +113,7 @@ def describe(spec: KernelSpec, parts: int) -> tvm.tirx.PrimFunc:
             for tt in T.unroll(TS):
                 for e in T.vectorized(L):
                     acc[tt, e] = acc[tt, e] + T.Cast("float32", w[idx[j], c * L + e]) * x[t0 + tt, c * L + e]
-        tree(acc, TS, j)
+        tree(acc, TS, j, t0)
 
     @T.prim_func
     def main(x_h: T.handle, w: T.Buffer((n, d), wdt), idx_h: T.handle, y_h: T.handle):
@@ -98,6 +127,7 @@ def describe(spec: KernelSpec, parts: int) -> tvm.tirx.PrimFunc:
         for p in T.parallel(parts):
             acc = T.alloc_buffer((4, L), "float32")
             acc1 = T.alloc_buffer((4, L), "float32")
+            s32 = T.alloc_buffer((4, 32), "float32")
             s16 = T.alloc_buffer((4, 16), "float32")
             s8 = T.alloc_buffer((4, 8), "float32")
             s4 = T.alloc_buffer((4, 4), "float32")
@@ -118,22 +148,25 @@ def describe(spec: KernelSpec, parts: int) -> tvm.tirx.PrimFunc:
                     n4 = t // 4
                     t0 = T.if_then_else(q < n4, q * 4, T.if_then_else(q == n4 and t % 4 >= 2, n4 * 4, t - 1))
                     ts = T.if_then_else(q < n4, 4, T.if_then_else(q == n4 and t % 4 >= 2, 2, 1))
-                    if ts == 4 and j1 != j0:
+                    if j1 != j0 and (ts == 4 or not pairs and ts == 2):
                         # two rows at once: each chunk of x is loaded once for both (4 tokens of a 2048-wide x
-                        # are 32 KB, L1's size: read once per row, they came from L2 at half memory speed)
-                        for tt in T.unroll(4):
-                            for e in T.vectorized(L):
-                                acc[tt, e] = T.float32(0)
-                                acc1[tt, e] = T.float32(0)
-                        for c in range(C):
-                            _prefetch_chunk(wf, idx[T.min(j0 + ROWS_AHEAD, k - 1)] * d + c * L)
-                            _prefetch_chunk(wf, idx[T.min(j1 + ROWS_AHEAD, k - 1)] * d + c * L)
-                            for tt in T.unroll(4):
+                        # are 32 KB, L1's size: read once per row, they came from L2 at half memory speed);
+                        # 64 lanes: 2 tokens at a time (4 × 2 × 64 accumulators would fill the registers)
+                        for half in range(1 if pairs else ts // 2):
+                            tb = t0 + half * 2
+                            for tt in T.unroll(PT):
                                 for e in T.vectorized(L):
-                                    acc[tt, e] = acc[tt, e] + T.Cast("float32", w[idx[j0], c * L + e]) * x[t0 + tt, c * L + e]
-                                    acc1[tt, e] = acc1[tt, e] + T.Cast("float32", w[idx[j1], c * L + e]) * x[t0 + tt, c * L + e]
-                        tree(acc, 4, j0)
-                        tree(acc1, 4, j1)
+                                    acc[tt, e] = T.float32(0)
+                                    acc1[tt, e] = T.float32(0)
+                            for c in range(C):
+                                _prefetch_chunk(wf, idx[T.min(j0 + ROWS_AHEAD, k - 1)] * d + c * L)
+                                _prefetch_chunk(wf, idx[T.min(j1 + ROWS_AHEAD, k - 1)] * d + c * L)
+                                for tt in T.unroll(PT):
+                                    for e in T.vectorized(L):
+                                        acc[tt, e] = acc[tt, e] + T.Cast("float32", w[idx[j0], c * L + e]) * x[tb + tt, c * L + e]
+                                        acc1[tt, e] = acc1[tt, e] + T.Cast("float32", w[idx[j1], c * L + e]) * x[tb + tt, c * L + e]
+                            tree(acc, PT, j0, tb)
+                            tree(acc1, PT, j1, tb)
                     else:
                         for jj in range(j1 - j0 + 1):
                             if ts == 4:

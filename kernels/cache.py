@@ -196,4 +196,7 @@ def _compile_cpu(spec: KernelSpec, out: Path, mcpu: str | None = None, integer_d
     mod = tvm.IRModule(funcs)
     lib = tvm.compile(mod, target=cpu.host_target(mcpu))
     lib.export_library(str(out))
-    return {"batched": batched_too, "arg_names": arg_names, "functions": sorted(funcs)}
+    extra: dict[str, Any] = {"batched": batched_too, "arg_names": arg_names, "functions": sorted(funcs)}
+    if spec.kind in ("ffn_relu", "ffn_gated") and not spec.quantized:
+        extra["partitions"] = cpu.build_cores()  # its row parts, whose sums the union FFN repeats (batch_ffn.py)
+    return extra

@@ -50,7 +50,7 @@ from tvm import s_tir, tirx
 
 from .compute import CHUNK, KernelDesc, dot_extent
 from .cpu_rewrite import Prefetch, add_prefetch, guard_inactive_rows
-from .spec import KernelSpec, skips_inactive
+from .spec import KernelSpec, dot_lanes, skips_inactive
 
 
 @dataclass(frozen=True)
@@ -78,11 +78,10 @@ def default_params(spec: KernelSpec, cores: int | None = None) -> CpuSchedulePar
     d = spec.d_model
     cores = cores or build_cores()
     # 64 float32 lanes = 4 independent AVX-512 accumulators (8 with AVX2): hides the FMA latency.
-    # The float16 GEMV (kind up over all rows) takes 32 (one cache line per iteration). Inconclusive:
-    # a first A/B measured +10 % (2048, 2560 rows), +6 % (5632), equal (32000); benchmarks/schedules.py
-    # gemv later measured -5 % (2560) and equal (2048). See benchmarks/README.md.
-    narrow = spec.weight_dtype == "float16" and spec.kind in ("up", "up_gated")
-    up_lanes = _largest_divisor(d, (32, 16, 8, 4, 2) if narrow else (64, 32, 16, 8, 4, 2))
+    # Float16 rows take 32 (one cache line per iteration) in every kind, so that the serving batch's
+    # ``gemv`` forms the same sums (spec.dot_lanes). The GEMV A/B was inconclusive (+10 %, +6 %, equal,
+    # then -5 % and equal); the fused FFN measured equal (benchmarks/schedules.py ffn; benchmarks/README.md).
+    up_lanes = dot_lanes(d, spec.weight_dtype)
     down_lanes = _largest_divisor(d, (64, 32, 16, 8, 4, 2))
     weight_vec = 0
     if spec.quantized:
@@ -417,7 +416,7 @@ def _schedule_predict(sch: s_tir.Schedule, spec: KernelSpec) -> None:
     stages = (("up", "h", spec.d_model), ("score", "mask", spec.rank))
     trees = {}
     for dot, _, length in stages:  # every rfactor at the root, before any compute_at (see _schedule_up)
-        lanes = _largest_divisor(length, (64, 32, 16, 8, 4, 2))
+        lanes = dot_lanes(length, spec.weight_dtype)
         if lanes > 1:
             trees[dot] = _rfactor_tree(sch, dot, lanes)
     for dot, out, _ in stages:

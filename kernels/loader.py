@@ -370,6 +370,7 @@ class SparseKernel:
     module: Any  # tvm_ffi.Module (keeps the library loaded)
     decode_fn: Callable[..., None]
     batch_fn: Callable[..., None] | None
+    partitions: int | None = None  # fused FFN kinds (CPU): the row parts whose partial sums it adds (cache.py)
     _sigs: dict[bool, list[_Arg]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -492,4 +493,6 @@ def load_kernel(path: Path, spec: KernelSpec) -> SparseKernel:
     name = spec.key()
     decode_fn = module[name]
     batch_fn = module[name + "_batch"] if meta.get("batched", False) else None
-    return SparseKernel(spec=spec, path=path, module=module, decode_fn=decode_fn, batch_fn=batch_fn)
+    parts = meta.get("partitions")
+    return SparseKernel(spec=spec, path=path, module=module, decode_fn=decode_fn, batch_fn=batch_fn,
+                        partitions=parts if isinstance(parts, int) and not isinstance(parts, bool) and parts > 0 else None)

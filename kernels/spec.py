@@ -30,6 +30,8 @@ linear, ``w_t`` ``[n_rows, d_model]`` a weight input-major, ``x`` ``[n_rows]``, 
 Kind ``gemv`` (CPU only, float32/float16; ``kernels/batch_gemv.py``): a few tokens' dot products with selected
 rows, each row read once for all: ``x`` ``[t, d_model]``, ``w_up`` ``[n_rows, d_model]``, ``idx`` ``[k]``,
 ``h[t, j] = w_up[idx[j]] . x[t]`` (``h`` ``[t, k]``); the batched linear layers and the union FFN's up part.
+``lanes`` (gemv only; 0 = 32) is the float32 accumulators of one dot product, so that its sums can be those of
+another kernel's dot products bit for bit (the fused FFN's and the predictor's 64 lanes, ``runtime/batch_ffn.py``).
 Kind ``gemv_down`` (same file): ``down`` for several tokens, each selected row read once for all:
 ``y[t] = sum_j h[t, j] * w_down_t[idx[j]]`` (``h`` ``[t, k]``, ``y`` ``[t, d_model]``).
 
@@ -74,9 +76,20 @@ def skips_inactive(kind: str, act: str, gate_bias: bool = False) -> bool:
         return act in ("relu", "drelu") and not gate_bias
     return act == "relu" and kind == "ffn_relu"
 
+def dot_lanes(length: int, weight_dtype: str) -> int:
+    """Float32 accumulators of a CPU kernel's dot product over ``length`` elements of float weights: the largest
+    of 32 (float16: one cache line of a row per step; float32: 64), 16, …, 2 that divides it, else 1 — for every
+    kind (``cpu.default_params``, the predictor's two GEMVs). The ``gemv`` kernel takes the same count
+    (``lanes``), so the serving batch's dot products are a lone token's bit for bit (``runtime/batch_ffn.py``)."""
+    for lanes in (32, 16, 8, 4, 2) if weight_dtype == "float16" else (64, 32, 16, 8, 4, 2):
+        if length % lanes == 0:
+            return lanes
+    return 1
+
+
 # Bump whenever the generated code changes (compute description, schedule, argument order):
 # it is part of every key, so stale cached libraries are never reused.
-KERNEL_ABI_VERSION: int = 8
+KERNEL_ABI_VERSION: int = 9
 
 _TARGET_RE = re.compile(r"^(llvm|cuda:sm_\d+a?)$")
 
@@ -106,6 +119,7 @@ class KernelSpec:
     rank: int = 0  # kind "predict" only: the predictor's hidden width
     block: int = 32  # quantized weight_dtype only: elements per float16 scale, along d_model (qformat.py)
     gate_bias: bool = False  # gated kinds: a b_gate [n_rows] argument (Llama mlp_bias)
+    lanes: int = 0  # kind "gemv" only: accumulators per dot product, a power of two 2..64 dividing d_model (0: 32)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -151,6 +165,11 @@ class KernelSpec:
         if self.kind in ("gemv", "gemv_down"):  # kernels/batch_gemv.py
             if self.is_cuda or self.quantized or self.has_bias or self.act != "none":
                 raise KernelSpecError(f"kind {self.kind!r} is CPU (llvm), float32/float16, act 'none', no bias")
+        if self.lanes:
+            if self.kind != "gemv":
+                raise KernelSpecError(f"lanes is for kind 'gemv' only, got lanes={self.lanes} for {self.kind!r}")
+            if self.lanes not in (2, 4, 8, 16, 32, 64) or self.d_model % self.lanes:
+                raise KernelSpecError(f"lanes must be a power of two 2..64 dividing d_model, got {self.lanes!r}")
         if self.kind == "dequant":  # kernels/dequant.py
             if self.is_cuda or self.weight_dtype == "float32" or self.has_bias or self.act != "none" or self.n_rows != 1:
                 raise KernelSpecError("kind 'dequant' is CPU (llvm), float16/int8/int4, act 'none', no bias, n_rows 1 "
@@ -202,13 +221,15 @@ class KernelSpec:
         return f"pi_{self.kind}_{digest}"
 
     def to_json(self) -> dict[str, object]:
-        """The fields; ``rank`` and ``gate_bias`` only where they are set and ``block`` only for quantized weights,
-        so specs written before they existed keep their keys."""
+        """The fields; ``rank``, ``gate_bias`` and ``lanes`` only where they are set and ``block`` only for
+        quantized weights, so specs written before they existed keep their keys."""
         data = asdict(self)
         if not self.rank:
             del data["rank"]
         if not self.gate_bias:
             del data["gate_bias"]
+        if not self.lanes:
+            del data["lanes"]
         if not self.quantized:
             del data["block"]
         return data

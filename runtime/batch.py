@@ -17,24 +17,22 @@ graph: forward(ids [1, 1], *past) with kv_arena buffers → forward(ids_0, *past
   - each ``tvm_predict`` runs as two batched GEMVs (``runtime/batch_predict.py``).
 A sequence's result never depends on the others: the per-sequence nodes compute what they compute alone, the
 stacked glue computes each row as alone, the batched kernels form each (row, token) sum the same way whatever B
-is, and the union FFN's extra rows add exact zeros to a token's sums, in ascending row order
-(``tests/test_serve_batch.py`` checks bit for bit and greedy outputs token for token). So that a request alone and
-a request in a batch give the same floats, the server runs every decode step through this form, B = 1 included
-(but see ``union_ffn`` below: a lone sequence takes the fused one-token FFN in every mode);
-its sums run in another order than ``Session.generate``'s one-token kernels (fused FFN, fused predictor, GEMV),
-so its text can differ from ``run``'s where two logits are near-tied or a predictor score sits at its threshold.
+is, and the union FFN's extra rows add exact zeros to a token's sums, in ascending row order. The union FFN and
+the batched predictors also form every sum as the one-token fused kernels that a lone sequence runs (the same
+accumulators per dot product, the FFN's down sums cut into the fused kernel's row parts: ``runtime/batch_ffn.py``,
+``batch_predict.py``), so a request's floats are the same alone and beside any others, at every B
+(``tests/test_serve_batch.py`` checks bit for bit and greedy outputs token for token). Its sums run in another
+order than ``Session.generate``'s only in float32 linears (``gemv`` against the one-token linear kernel;
+float16's are equal), so ``serve``'s text can differ from ``run``'s there where two logits are near-tied.
 
-``union_ffn=False`` (``serve --batch-ffn per-request``, the default) runs the FFN and predictors per sequence
-with the one-token fused kernels, each with its own mask (exact as alone; B times the FFN's bytes, and still
-faster at 1, 4 and 16 clients on the 1B f16 artifact, ``benchmarks/README.md``); ``union_ffn=None``
-(``--batch-ffn auto``) takes the union FFN where its weights are float and runs int8 / int4 FFNs per sequence
-(their split kernels' batched forms are compute-bound); ``union_ffn=True`` (``--batch-ffn union``) takes it for
-every dtype. In those two modes a step of one sequence still runs the fused one-token FFN and predictor
-(``batch_graph``), whose sums run in another order than the union path's, so a request alone and the same request
-beside others differ in the last bits (max 2.6e-6 in a 1B f16 step's logits) and their greedy text can differ
-where two logits are that close; only ``per-request`` is exact bit for bit at every B. A node
-whose batched kernels cannot be had (no TVM compiler to build them, a part on the GPU) runs per sequence in
-either mode.
+``union_ffn=None`` (``serve --batch-ffn auto``, the default) takes the union FFN where it is exact
+(``batch_ffn.exact_union``: float weights, a ReLU / dReLU FFN) and runs the others per sequence with the
+one-token fused kernels (int8 / int4, whose split kernels' batched forms are also compute-bound; SiLU, whose
+activation torch and the kernel compute differently), the predictors batched; ``union_ffn=False``
+(``--batch-ffn per-request``) runs every FFN and predictor per sequence (exact; B times the FFN's bytes);
+``union_ffn=True`` (``--batch-ffn union``) takes the union FFN for every dtype and activation, exact only where
+``auto`` would take it. A step of one sequence runs the fused one-token kernels in every mode. A node whose
+batched kernels cannot be had (no TVM compiler to build them, a part on the GPU) runs per sequence in every mode.
 
 ``BatchRunner`` holds the KV cache of each slot (one arena per past input, ``max_seq_len`` positions), prefills a
 slot (or a chunk of its prompt) with the session's prefill graph on that slot's arenas, and decodes any set of
@@ -50,7 +48,7 @@ import torch
 from torch import Tensor, fx
 
 from picompile.ir.schema import args_of, node_op
-from picompile.runtime.batch_ffn import batched_hybrid, batched_part, split_kernels
+from picompile.runtime.batch_ffn import batched_hybrid, batched_part, exact_union, split_kernels
 from picompile.runtime.batch_glue import batched_kwargs, stackable, varies, varying_symbols
 from picompile.runtime.batch_predict import batched_predict, gemv_kernel, multi_gemv_kernel
 from picompile.runtime.hybrid import HYBRID_MASKS, HybridFFN, hybrid_args
@@ -205,17 +203,11 @@ def batched_linear_stacked(x: Tensor, w: Tensor, b: Tensor | None, kernel: str, 
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
-def _quantized_kernel(key: str) -> bool:
-    from picompile.kernels.table import find_kernel
-
-    return bool(key) and bool(getattr(getattr(find_kernel(key), "spec", None), "quantized", False))
-
-
-def _ffn_call(node: fx.Node, lanes: Lanes, float_only: bool = False) -> tuple[Callable[..., Any], tuple[Any, ...]] | None:
+def _ffn_call(node: fx.Node, lanes: Lanes, exact_only: bool = False) -> tuple[Callable[..., Any], tuple[Any, ...]] | None:
     """The union-masked call of a sparse FFN node or predictor for the B tokens (``runtime/batch_ffn.py``,
     ``batch_predict.py``), its x and masks stacked where they stack (else lists), or None (per sequence).
-    ``float_only``: an FFN with int8 / int4 weights (no ``gemv`` kernels: the split kernels' batched forms,
-    compute-bound) stays per sequence."""
+    ``exact_only``: an FFN whose union sums are not its one-token kernel's bit for bit (``batch_ffn.exact_union``:
+    int8 / int4 weights, whose split kernels' batched forms are also compute-bound; SiLU) stays per sequence."""
     if node.op != "call_function":
         return None
 
@@ -230,7 +222,7 @@ def _ffn_call(node: fx.Node, lanes: Lanes, float_only: bool = False) -> tuple[Ca
 
     if isinstance(node.target, HybridFFN):
         keys = (_part_kernel(node.target.hot), _part_kernel(node.target.cold))
-        if None in keys or (float_only and any(_quantized_kernel(k) for k in keys if k)):
+        if None in keys or (exact_only and not all(exact_union(k) for k in keys if k is not None)):
             return None
         a = hybrid_args(node)
         weights = {n: w(a[n]) for n in a if n not in ("x", *HYBRID_MASKS)}
@@ -249,7 +241,7 @@ def _ffn_call(node: fx.Node, lanes: Lanes, float_only: bool = False) -> tuple[Ca
     a = args_of(node)
     if isinstance(a.get("x"), (list, tuple)) or not (a.get("kernel") == "" or _splittable(a.get("kernel"))):
         return None
-    if float_only and a.get("s_up") is not None:
+    if exact_only and not exact_union(a["kernel"]):
         return None
     ws = {n: w(a.get(n)) for n in (*PART_WEIGHTS, "s_up", "s_gate", "s_down")}
     return batched_part, (xs_of(a["x"]), ws["w_up"], ws["b_up"], ws["w_gate"], ws["w_down_t"], xs_of(a.get("mask")),
@@ -299,7 +291,7 @@ def _predict_ok(node: fx.Node) -> bool:
 
 
 def batch_graph(gm: fx.GraphModule, n_past: int, batch: int,
-                union_ffn: bool | None = False) -> tuple[fx.GraphModule, int]:
+                union_ffn: bool | None = None) -> tuple[fx.GraphModule, int]:
     """The B-sequence form of the arena decode graph ``gm`` (see the module docstring). Its inputs, per sequence
     in order: ids [1, 1], n_past past views (read only for their length), n_past arenas; it returns the B logits
     stacked, [B, 1, vocab]. Also returns how many linear calls are shared. ``union_ffn``: True / False, or None
@@ -394,7 +386,7 @@ class BatchRunner:
     slot's arenas after its first ``start`` positions; ``decode([(slot, token, position), …])`` runs one token of
     each listed slot in one call of the B-sequence graph and returns their logits [B, vocab]."""
 
-    def __init__(self, session: Any, slots: int, union_ffn: bool | None = False) -> None:
+    def __init__(self, session: Any, slots: int, union_ffn: bool | None = None) -> None:
         if session.kv is None:
             raise RuntimeError(f"batched decoding needs the in-place KV cache ({session.kv_reason})")
         if session.compiled:

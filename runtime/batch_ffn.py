@@ -11,15 +11,21 @@ One FFN partition (hot or cold rows), B tokens, each with its own predicted mask
 Each weight row read once for all B tokens. For float weights the dot products are ``gemv`` calls and the down
 sums ``gemv_down`` (``kernels/batch_gemv.py``); a ReLU / dReLU gate is computed first and the up and down rows are
 read only where some token that selects the row has a positive gate (``_gated_relu_rows``: the one-token kernel's
-``skip_inactive``, for the batch). int8 / int4: the split ``up*`` / ``down`` kernels, two calls. The fused ``ffn_*`` kernel (one
-call) cannot be used: it has no per-token mask, and it cuts the rows into ``cores`` contiguous parts whose
-partial sums it adds last, so where a row falls — and so the rounding — would depend on the union. The split
-kinds keep every output element's sum independent of the union: ``up*`` computes each (row, token) dot product by
-itself, and ``down`` (parallel over column chunks of y) adds its rows one after the other in ascending order, so
-the rows another token added contribute exact zeros, and a token's ``y`` is bit for bit the one it gets with
-its own mask alone (B = 1 through this same path: ``tests/test_serve_batch.py``). Rows whose ``h`` is 0 for
-every token (ReLU gates that did not fire) are dropped before the down call, as the one-token kernel's
-``skip_inactive`` does.
+``skip_inactive``, for the batch). int8 / int4: the split ``up*`` / ``down`` kernels, two calls. The fused
+``ffn_*`` kernel (one call) cannot be used: it has no per-token mask.
+
+Every token's ``y`` is bit for bit what the fused one-token kernel gives it alone (``exact_union`` says where:
+float weights, ReLU / dReLU), because each sum is formed as that kernel forms it:
+  - a dot product in the fused kernel's accumulators (``spec.dot_lanes``: 32 for float16, 64 for float32), chunks
+    in order, then the same halving tree; ``gemv`` takes that lane count;
+  - the fused kernel cuts a token's k selected rows into ``parts`` (its build's cores) runs of ceil(k / parts),
+    sums each run in ascending row order, then adds the runs' sums in order. ``_down_in_parts`` makes one
+    ``gemv_down`` call per run index, each token's ``h`` zero outside its own run: a row of another token's run,
+    or of none, adds an exact zero, and ``gemv_down`` adds rows one after the other in ascending order;
+  - the activation (a max) and the bias add are the same float operations in torch as in the kernel.
+Rows whose ``h`` is 0 for every token (ReLU gates that did not fire) are dropped before the down calls, as the
+one-token kernel's ``skip_inactive`` does (``tests/test_serve_batch.py``). A row of two tokens' different runs is
+read once per run index (~+10–20 % of the down rows at 4 tokens).
 
 The split kernels are not in the artifact: they are compiled on this machine from the fused kernel's spec
 (kind ``up_gated`` / ``up`` and ``down``, same shapes and dtype; ~1 s each, then from the kernel cache), as the
@@ -30,8 +36,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
+
+from picompile.kernels.spec import dot_lanes
 
 _SPLIT: dict[str, tuple[Any, Any]] = {}  # fused kernel key -> (up kernel, down kernel)
 
@@ -112,11 +121,12 @@ def batched_part(
     else:
         sel = torch.cat([m.reshape(1, n_rows) for m in masks])  # type: ignore[union-attr]  # [B, n_rows]
     idx = sel.any(0).nonzero().squeeze(1).to(torch.int32)  # [k_union]
-    gated = _gated_relu_rows(x, w_up, b_up, w_gate, idx, sel, up.spec) if s_up is None else None
+    lanes = dot_lanes(d, str(w_up.dtype).removeprefix("torch."))  # the fused kernel's accumulators per dot product
+    gated = _gated_relu_rows(x, w_up, b_up, w_gate, idx, sel, up.spec, lanes) if s_up is None else None
     if gated is not None:  # only the rows whose gate fired for a token that selects them, h masked already
         idx, h = gated
     else:
-        maybe = _up_by_gemv(x, w_up, b_up, w_gate, idx, up.spec) if s_up is None else None  # [B, k_union]
+        maybe = _up_by_gemv(x, w_up, b_up, w_gate, idx, up.spec, lanes) if s_up is None else None  # [B, k_union]
         if maybe is None:
             maybe = aligned_empty((b, idx.numel()))  # [B, k_union]
             if s_up is None:
@@ -131,19 +141,109 @@ def batched_part(
             keep = live.nonzero().squeeze(1)  # [k_live]
             idx = idx.index_select(0, keep)
             h = as_aligned(h.index_select(1, keep))
-    y = aligned_empty((b, d))  # [B, d_model]
     multi = multi_gemv_kernel(w_down_t.shape[0], d, w_down_t.dtype, "gemv_down") if s_down is None else None
-    if multi is not None:  # each row read once for all B tokens (kernels/batch_gemv.py)
-        multi.unchecked(h, w_down_t, idx, y)
-    elif s_down is None:
+    if multi is not None:  # each row read once for all B tokens (kernels/batch_gemv.py), in the fused kernel's parts
+        return _unstack(_down_in_parts(multi, h, w_down_t, idx, sel, fused_parts(kernel)), xs)
+    y = aligned_empty((b, d))  # [B, d_model]
+    if s_down is None:
         down.unchecked(h, w_down_t, idx, y)
     else:
         down.unchecked(h, w_down_t, s_down, idx, y)
     return _unstack(y, xs)
 
 
+def exact_union(key: str) -> bool:
+    """Whether the union path gives every token of the part with fused CPU kernel ``key`` its one-token kernel's
+    output bit for bit: float weights, a ReLU / dReLU FFN (a gated one without a gate bias: the activation is a
+    max, computed alike in torch; SiLU's exp is not), and the ``gemv`` / ``gemv_down`` kernels for its shape
+    (``kernels/batch_gemv.py``: d_model a multiple of the lanes and of 64). "" (a part with no rows): True."""
+    from picompile.kernels.table import find_kernel
+    from picompile.runtime.batch_predict import _DTYPES, multi_gemv_kernel
+
+    if key == "":
+        return True
+    spec = getattr(find_kernel(key), "spec", None)
+    if spec is None or spec.is_cuda or spec.quantized or spec.gate_bias:
+        return False
+    if not (spec.kind == "ffn_gated" and spec.act in ("relu", "drelu") or spec.kind == "ffn_relu" and spec.act == "relu"):
+        return False
+    dtype = next(t for t, name in _DTYPES.items() if name == spec.weight_dtype)
+    lanes = dot_lanes(spec.d_model, spec.weight_dtype)
+    return (multi_gemv_kernel(spec.n_rows, spec.d_model, dtype, lanes=lanes) is not None
+            and multi_gemv_kernel(spec.n_rows, spec.d_model, dtype, "gemv_down") is not None)
+
+
+def fused_parts(key: str) -> int:
+    """The row parts of the fused one-token kernel ``key`` (recorded when it was built; older builds: this
+    machine's cores, which is what they were built with here)."""
+    from picompile.kernels.loader import physical_cores
+    from picompile.kernels.table import find_kernel
+
+    parts = getattr(find_kernel(key), "partitions", None)
+    return parts if isinstance(parts, int) and parts > 0 else physical_cores()
+
+
+def _down_in_parts(kern: Any, h: Tensor, w_down_t: Tensor, rows: Tensor, sel: Tensor, parts: int) -> Tensor:
+    """``y[t] = Σ_j h[t, j] · w_down_t[rows[j]]`` (h [B, k], rows ascending) summed as the fused one-token kernel
+    sums token t alone: its own selected rows (``sel`` [B, n_rows]) cut into ``parts`` runs of ceil(k_t / parts),
+    each run's sum in ascending row order, then the runs' sums added in order (``compute.describe_partitioned``). One
+    ``gemv_down`` call per run index, over the rows some token has in that run, each token's ``h`` zero outside its
+    own run (exact zeros: a row of another token's run, or of none, adds nothing) → [B, d_model]. The index work is
+    numpy's (a few small arrays; torch's per-op cost was most of the step's added time)."""
+    b, d = h.shape[0], w_down_t.shape[1]
+    y = _empty((b, d))  # [B, d_model]
+    if parts <= 1:
+        kern.unchecked(h, w_down_t, rows, y)
+        return y
+    r, sn, hn = rows.numpy(), sel.numpy(), h.numpy()  # [k] int32, [B, n_rows] bool, [B, k]
+    k, n_rows = r.size, sn.shape[1]
+    # token t's run p is the union columns [at[t, p], at[t, p + 1]): rows before its (p · ceil(k_t / parts))-th own
+    # selected row are in runs < p (rows ascending, so a run is a range of the union's columns)
+    at = np.empty((b, parts + 1), dtype=np.int64)
+    at[:, 0], at[:, parts] = 0, k
+    for t in range(b):
+        own = np.flatnonzero(sn[t])  # [k_t] ascending
+        size = max(1, -(-own.size // parts))
+        starts = own[size::size][: parts - 1]  # the first row of each later run that has rows
+        at[t, 1:1 + starts.size] = np.searchsorted(r, starts)
+        at[t, 1 + starts.size:parts] = k  # runs past its rows: empty
+    yn = y.numpy()
+    first = True
+    for p in range(parts):
+        lo, hi = int(at[:, p].min()), int(at[:, p + 1].max())
+        if hi <= lo:
+            continue
+        hq = _empty((b, hi - lo))  # [B, k_p]: the columns some token's run p covers, the others' h zeroed
+        hqn = hq.numpy()
+        hqn[:] = hn[:, lo:hi]
+        for t in range(b):
+            hqn[t, : at[t, p] - lo] = 0.0
+            hqn[t, at[t, p + 1] - lo:] = 0.0
+        rq = _empty((hi - lo,), torch.int32)
+        rq.numpy()[:] = r[lo:hi]
+        yp = y if first else _empty((b, d))
+        kern.unchecked(hq, w_down_t, rq, yp)
+        if first:
+            np.add(yn, np.float32(0.0), out=yn)  # 0 + y_0 (+0 for -0), then + y_1 …: the fused kernel's order
+        else:
+            np.add(yn, yp.numpy(), out=yn)
+        first = False
+    if first:
+        y.zero_()
+    return y
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> Tensor:
+    """An uninitialised CPU tensor, 64-byte aligned (torch's allocator already is on x86: ``aligned_empty``'s
+    checks cost more than the small buffers here)."""
+    from picompile.kernels import aligned_empty
+
+    t = torch.empty(shape, dtype=dtype)
+    return t if t.data_ptr() % 64 == 0 else aligned_empty(shape, dtype)
+
+
 def _gated_relu_rows(x: Tensor, w_up: Tensor, b_up: Optional[Tensor], w_gate: Optional[Tensor], idx: Tensor,
-                     sel: Tensor, spec: Any) -> Optional[tuple[Tensor, Tensor]]:
+                     sel: Tensor, spec: Any, lanes: int = 0) -> Optional[tuple[Tensor, Tensor]]:
     """A ReLU / dReLU gated part of float weights as the one-token kernel's ``skip_inactive`` does it: the gate
     rows of the union first (``gemv``), then up rows only where some token that selects the row has a positive
     gate → (rows [k_live] int32, h [B, k_live] with each token's own mask applied). The rows left out have
@@ -154,7 +254,7 @@ def _gated_relu_rows(x: Tensor, w_up: Tensor, b_up: Optional[Tensor], w_gate: Op
 
     if not spec.gated or spec.gate_bias or spec.act not in ("relu", "drelu") or w_gate is None:
         return None
-    kern = multi_gemv_kernel(w_up.shape[0], w_up.shape[1], w_up.dtype)
+    kern = multi_gemv_kernel(w_up.shape[0], w_up.shape[1], w_up.dtype, lanes=lanes)
     if kern is None:
         return None
     b, k = x.shape[0], idx.numel()
@@ -178,7 +278,7 @@ def _gated_relu_rows(x: Tensor, w_up: Tensor, b_up: Optional[Tensor], w_gate: Op
 
 
 def _up_by_gemv(x: Tensor, w_up: Tensor, b_up: Optional[Tensor], w_gate: Optional[Tensor], idx: Tensor,
-                spec: Any) -> Optional[Tensor]:
+                spec: Any, lanes: int = 0) -> Optional[Tensor]:
     """The up part ``h`` [B, k] of float weights by the ``gemv`` kernel (each selected row read once for all B
     tokens, ``kernels/batch_gemv.py``), the activation in torch; None where that kernel is not to be had (the
     split ``up*`` kernel's batched form then runs)."""
@@ -187,7 +287,7 @@ def _up_by_gemv(x: Tensor, w_up: Tensor, b_up: Optional[Tensor], w_gate: Optiona
 
     if spec.gate_bias or spec.act not in ("relu", "silu", "drelu", "none"):
         return None
-    kern = multi_gemv_kernel(w_up.shape[0], w_up.shape[1], w_up.dtype)
+    kern = multi_gemv_kernel(w_up.shape[0], w_up.shape[1], w_up.dtype, lanes=lanes)
     if kern is None:
         return None
     b, k = x.shape[0], idx.numel()

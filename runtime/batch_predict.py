@@ -20,6 +20,8 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor
 
+from picompile.kernels.spec import dot_lanes
+
 _DTYPES: dict[torch.dtype, str] = {torch.float16: "float16", torch.float32: "float32"}
 _GEMV: dict[tuple[int, int, str, str], Any] = {}  # (n_rows, d, dtype, act) -> the up kernel
 
@@ -41,25 +43,27 @@ def gemv_kernel(n_rows: int, d: int, dtype: torch.dtype, act: str) -> Any:
     return _GEMV[key]
 
 
-_MULTI: dict[tuple[int, int, str, str], Any] = {}  # (n_rows, d, dtype, kind) -> the kernel, or None (none for it)
+_MULTI: dict[tuple[int, int, str, str, int], Any] = {}  # (n_rows, d, dtype, kind) -> the kernel, or None (none for it)
 
 
-def multi_gemv_kernel(n_rows: int, d: int, dtype: torch.dtype, kind: str = "gemv") -> Any:
+def multi_gemv_kernel(n_rows: int, d: int, dtype: torch.dtype, kind: str = "gemv", lanes: int = 0) -> Any:
     """The CPU ``gemv`` kernel (``kernels/batch_gemv.py``: several tokens, each row read once for all) over a
     [n_rows, d] weight of ``dtype``, compiled or taken from the kernel cache on first use; None where it has no
     schedule (quantized weights, d not a multiple of its lanes) or cannot be built here (no TVM compiler).
-    ``kind="gemv_down"``: the several-token down kernel over a [n_rows, d] ``w_down_t`` instead."""
+    ``kind="gemv_down"``: the several-token down kernel over a [n_rows, d] ``w_down_t`` instead. ``lanes``
+    (``gemv``): accumulators per dot product (0: the kernel's 32; ``spec.dot_lanes``: a fused kernel's sums)."""
     name = _DTYPES.get(dtype)
     if name is None:
         return None
-    key = (n_rows, d, name, kind)
+    lanes = 0 if lanes == 32 else lanes  # the default, under its old key
+    key = (n_rows, d, name, kind, lanes)
     if key not in _MULTI:
         from picompile.config import kernel_cache_dir
         from picompile.kernels import KernelSpec, build_kernel, load_kernel
 
-        spec = KernelSpec(kind=kind, act="none", d_model=d, n_rows=n_rows, weight_dtype=name,  # type: ignore[arg-type]
-                          has_bias=False, target="llvm")
         try:
+            spec = KernelSpec(kind=kind, act="none", d_model=d, n_rows=n_rows, weight_dtype=name,  # type: ignore[arg-type]
+                              has_bias=False, target="llvm", lanes=lanes)
             _MULTI[key] = load_kernel(build_kernel(spec, kernel_cache_dir()), spec)
         except Exception:  # no compiler, or a shape it does not take: the callers keep their other kernels
             _MULTI[key] = None
@@ -94,7 +98,9 @@ def batched_predict(
     x = as_aligned(xs.reshape(b, d) if stacked else torch.cat([t.reshape(1, d) for t in xs]))  # [B, d_model]
     h = aligned_empty((b, rank))  # [B, rank]
     scores = aligned_empty((b, n))  # [B, n_neurons]
-    k1, k2 = multi_gemv_kernel(rank, d, fc1.dtype), multi_gemv_kernel(n, rank, fc2.dtype)
+    # the predict kernel's accumulators per dot product (kernels/cpu.py), so each score is its score bit for bit
+    k1 = multi_gemv_kernel(rank, d, fc1.dtype, lanes=dot_lanes(d, _DTYPES.get(fc1.dtype, "")))
+    k2 = multi_gemv_kernel(n, rank, fc2.dtype, lanes=dot_lanes(rank, _DTYPES.get(fc2.dtype, "")))
     if k1 is not None and k2 is not None:  # each predictor row read once for all B (kernels/batch_gemv.py)
         k1.unchecked(x, fc1, _rows(rank), h)
         if act == "relu":

@@ -255,9 +255,10 @@ def test_cpu_schedule_streams_rows(kind: str, batched: bool) -> None:
         assert guard[kind] in text
         decider = "gate" if kind == "ffn_gated" else "h"
         assert f"if not gate[p, T.min(rj + 1," in text if kind == "ffn_gated" else f"if {decider}[p, T.min(rj + 1," in text
-    lines = params.up_lanes * 2 // 64  # cache lines per iteration (fp16): 64 lanes (fused kinds) 2, 32 lanes (up kinds) 1
-    assert params.up_lanes == (64 if kind.startswith("ffn") else 32)
-    assert text.count("llvm.prefetch") == streams * lines
+    up_lines = params.up_lanes * 2 // 64  # cache lines per dot product iteration (fp16): 32 lanes (spec.dot_lanes), 1
+    down_lines = params.down_lanes * 2 // 64 if kind.startswith("ffn") else 0  # the fused kinds' down rows: 64, 2
+    assert params.up_lanes == 32
+    assert text.count("llvm.prefetch") == (streams - (down_lines > 0)) * up_lines + down_lines
     assert "k - 1)" in text  # the next-row index is clamped
     plain = cpu.schedule(desc, spec, dataclasses.replace(params, prefetch=False)).script()
     assert "llvm.prefetch" not in plain
@@ -265,7 +266,7 @@ def test_cpu_schedule_streams_rows(kind: str, batched: bool) -> None:
     assert not any(g in whole for g in guard.values())
     if kind.startswith("ffn"):
         full = {"ffn_relu": 2, "ffn_gated": 3}[kind]
-        assert whole.count("llvm.prefetch") == full * lines
+        assert whole.count("llvm.prefetch") == (full - 1) * up_lines + down_lines
 
 
 def test_dense_fallback_matches_reference() -> None:

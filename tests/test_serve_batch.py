@@ -25,8 +25,8 @@ def _greedy(runner: object, slots: list[int], steps: int) -> dict[int, list[int]
     return seqs
 
 
-@pytest.mark.parametrize("union", [False, True])
-def test_batched_decode_equals_alone(default_artifact: Path, union: bool) -> None:
+@pytest.mark.parametrize("union", [False, True, None])
+def test_batched_decode_equals_alone(default_artifact: Path, union: bool | None) -> None:
     import picompile
     from picompile.runtime.batch import BatchRunner, batch_graph
 
@@ -34,11 +34,19 @@ def test_batched_decode_equals_alone(default_artifact: Path, union: bool) -> Non
     runner = BatchRunner(session, len(PROMPTS), union_ffn=union)
     alone = {sl: _greedy(runner, [sl], 12)[sl] for sl in range(len(PROMPTS))}
     together = _greedy(runner, list(range(len(PROMPTS))), 12)
-    assert together == alone  # token for token (alone: one sequence, the one-token fused FFN in either mode)
+    assert together == alone  # token for token (alone: one sequence, the one-token fused FFN in every mode)
+    import torch
+
+    steps = [(sl, 3 + sl, len(p)) for sl, p in enumerate(PROMPTS)]
+    for sl, p in enumerate(PROMPTS):
+        runner.prefill(sl, p)
+    lone = [runner.decode([st])[0].clone() for st in steps]  # each rewrites its own position: same caches after
+    for sl, row in enumerate(runner.decode(steps)):
+        assert torch.equal(row, lone[sl]), sl  # bit for bit: the union sums are the fused kernels' (float, ReLU)
     assert runner._graphs[1][0].meta["batched_ffns"] == 0
     gm, shared = batch_graph(session.decode_graph, session.n_past, 3, union)
     n_layers = sum(1 for n in session.decode_graph.graph.nodes if "predict" in str(n.target))
-    assert gm.meta["batched_ffns"] == (2 * n_layers if union else 0)  # each layer's FFN and predictor, batched
+    assert gm.meta["batched_ffns"] == (0 if union is False else 2 * n_layers)  # each layer's FFN and predictor
     assert runner._graphs[len(PROMPTS)][0].meta["batched_ffns"] == gm.meta["batched_ffns"]
     # the glue runs once on the stacked tokens; per sequence only attention, its KV writes, positions (and FFNs)
     assert gm.meta["batched_nodes"] > 2 * gm.meta["perseq_nodes"] > 0
@@ -71,15 +79,16 @@ def test_queue_full_is_503(default_artifact: Path) -> None:
         assert http.get("/health").json()["waiting"] == 1
 
 
-@pytest.mark.parametrize("dtype", ["float16", "int4"])
+@pytest.mark.parametrize("dtype", ["float16", "float32", "int4"])
 def test_union_ffn_equals_each_alone(dtype: str, tmp_path: Path) -> None:
     """One union-masked call for 4 tokens (overlapping masks, one empty, one full) gives each token bit for bit
-    its output with its own mask alone, and that output is the masked FFN's (float64 reference)."""
+    its output with its own mask alone, and that output is the masked FFN's (float64 reference); for float
+    weights it is also bit for bit the fused one-token kernel's (what a lone request decodes with)."""
     import torch
 
     from picompile.kernels import KernelSpec, aligned_copies, build_kernel, load_kernel
     from picompile.kernels.qformat import QFormat, dequantize, quantize
-    from picompile.kernels.table import add_kernel
+    from picompile.kernels.table import add_kernel, find_kernel
     from picompile.runtime.batch_ffn import batched_part
 
     d, n = 64, 96
@@ -96,7 +105,7 @@ def test_union_ffn_equals_each_alone(dtype: str, tmp_path: Path) -> None:
             stored[k], stored["s" + k[1:].split("_t")[0]] = q, s
             ref[k] = dequantize(q, s).double()
         else:
-            stored[k] = w.half()
+            stored[k] = w.to(getattr(torch, dtype))
             ref[k] = stored[k].double()
     stored = aligned_copies(stored)
     xs = [torch.randn(1, 1, d, generator=g) for _ in range(4)]
@@ -116,4 +125,10 @@ def test_union_ffn_equals_each_alone(dtype: str, tmp_path: Path) -> None:
         h = torch.relu(ref["w_gate"] @ x) * (ref["w_up"] @ x) * masks[i].reshape(n)
         expect = h @ ref["w_down_t"]
         assert torch.allclose(alone.reshape(d).double(), expect, rtol=1e-4, atol=1e-5), i
+        if dtype != "int4":
+            fused = aligned_copies({"y": torch.empty(d)})["y"]
+            idx = masks[i].reshape(n).nonzero().squeeze(1).to(torch.int32)
+            find_kernel(spec.key())(xs[i].reshape(d), stored["w_up"], stored["w_gate"], None, stored["w_down_t"],
+                                    idx, fused)
+            assert torch.equal(together[i].reshape(d), fused), i  # the same sums, in the same order
     assert torch.count_nonzero(together[2]) == 0  # an empty mask: no neuron, y = 0

@@ -28,11 +28,11 @@ def add_parser(sub: Any) -> None:
                    help="requests waiting for a slot at most; beyond, 503 (default 64)")
     s.add_argument("--prefill-chunk", type=int_range(1, 1 << 16), default=128,
                    help="prompt tokens prefilled per engine iteration, between decode steps (default 128)")
-    s.add_argument("--batch-ffn", choices=("auto", "per-request", "union"), default="per-request",
-                   help="a batched step's sparse FFN and predictors: per request with the one-token kernels "
-                        "(per-request, the default: it measured faster at 1, 4 and 16 clients), once on the union of "
-                        "the batch's neurons with each request masked by its own (union), or union for float weights "
-                        "and per request for int8 / int4 (auto)")
+    s.add_argument("--batch-ffn", choices=("auto", "per-request", "union"), default="auto",
+                   help="a batched step's sparse FFN and predictors: once on the union of the batch's neurons, each "
+                        "request masked by its own, where that gives each request its lone output bit for bit (float "
+                        "ReLU FFNs), else per request (auto, the default); per request with the one-token kernels "
+                        "always (per-request); or the union for every FFN, exact only where auto takes it (union)")
     s.add_argument("--shutdown-grace", type=finite_float(0.0, 3600.0), default=5.0,
                    help="seconds requests in flight may run after SIGTERM before they are cancelled (default 5)")
     s.add_argument("--no-verify", action="store_true", help="skip the checksum check")

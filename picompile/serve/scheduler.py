@@ -71,7 +71,7 @@ class Scheduler:
     """The engine: ``submit`` from any thread (the server's event loop), events delivered on the request's loop."""
 
     def __init__(self, session: Any, max_batch: int = 8, max_queue: int = 64, prefill_chunk: int = 128,
-                 trace: bool = False, union_ffn: bool | None = False) -> None:
+                 trace: bool = False, union_ffn: bool | None = None) -> None:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be at least 1, got {prefill_chunk}")
         self.session = session
