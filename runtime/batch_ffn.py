@@ -25,7 +25,7 @@ float weights, ReLU / dReLU), because each sum is formed as that kernel forms it
   - the activation (a max) and the bias add are the same float operations in torch as in the kernel.
 Rows whose ``h`` is 0 for every token (ReLU gates that did not fire) are dropped before the down calls, as the
 one-token kernel's ``skip_inactive`` does (``tests/test_serve_batch.py``). A row of two tokens' different runs is
-read once per run index (~+10–20 % of the down rows at 4 tokens).
+read once per run index (+3.9 % of the down rows in a 4-token 1B step, benchmarks/README.md, serving).
 
 The split kernels are not in the artifact: they are compiled on this machine from the fused kernel's spec
 (kind ``up_gated`` / ``up`` and ``down``, same shapes and dtype; ~1 s each, then from the kernel cache), as the
@@ -196,7 +196,7 @@ def _down_in_parts(kern: Any, h: Tensor, w_down_t: Tensor, rows: Tensor, sel: Te
         kern.unchecked(h, w_down_t, rows, y)
         return y
     r, sn, hn = rows.numpy(), sel.numpy(), h.numpy()  # [k] int32, [B, n_rows] bool, [B, k]
-    k, n_rows = r.size, sn.shape[1]
+    k = r.size
     # token t's run p is the union columns [at[t, p], at[t, p + 1]): rows before its (p · ceil(k_t / parts))-th own
     # selected row are in runs < p (rows ascending, so a run is a range of the union's columns)
     at = np.empty((b, parts + 1), dtype=np.int64)
