@@ -38,6 +38,9 @@ def weight_bytes(kernel: Any, args: tuple[Any, ...]) -> int:
     named = dict(zip(call_args(kernel.spec), args))
     if kernel.spec.kind == "predict":  # every row of fc1 and fc2
         return sum(named[n].numel() * named[n].element_size() for n in ("fc1", "fc2"))
+    if kernel.spec.kind == "input_sparse":  # the rows of w_t [d_in, d_out] whose input channel the mask reads
+        w_t = named["w_t"]
+        return int(named["mask"].count_nonzero()) * w_t.shape[1] * w_t.element_size()
     k = int(named["idx"].numel())  # the other kinds read the selected rows of each w_* they take
     return sum(k * t.shape[1] * t.element_size() for n, t in named.items()
                if n.startswith(("w_", "s_")) and t is not None)

@@ -19,6 +19,7 @@ from torch import fx
 
 from picompile.ir.graph import get_tensor
 from picompile.ir.ops import is_picompile_op
+from picompile.ir.schema import args_of
 
 aten = torch.ops.aten
 _ROW_LOOKUPS = (aten.embedding.default,)  # read one row of their weight, not all of it
@@ -35,13 +36,19 @@ def _calls_kernels(target: Any) -> bool:
     return any(is_picompile_op(target, op) for op in KERNEL_OPS)
 
 
+def _input_sparse_kernel(node: fx.Node) -> bool:
+    """An input-sparse linear that names its one-token TVM kernel (``sparsify-inputs``): a decode step's call
+    runs the kernel, not torch ("" means torch computes it for every token count)."""
+    return is_picompile_op(node.target, "input_sparse_linear") and bool(args_of(node).get("kernel"))
+
+
 def torch_weight_reads(gm: fx.GraphModule) -> list[str]:
     """Names of the nodes where torch, not a TVM kernel (``picompile::tvm_*``), reads a weight matrix."""
     found = []
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target in _ROW_LOOKUPS or getattr(node.target, "is_view", False):
             continue  # a view (a slice of the rotary table) reads nothing
-        if _calls_kernels(node.target):
+        if _calls_kernels(node.target) or _input_sparse_kernel(node):
             continue
         args = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node) and a.op == "get_attr"]
         if any(get_tensor(gm, a).dim() >= 2 for a in args):  # a matrix, not a bias, a norm's scale or a threshold

@@ -121,6 +121,9 @@ def test_zero_sparsity_is_exactly_dense(silu_ckpt: Path, tmp_path: Path) -> None
                            calibration_tokens=256, input_loss_tokens=64, input_allocation="uniform")
     s = picompile.load(some)
     assert count_ops(s.graph).get("picompile::input_mask", 0) > 0
+    # its input-sparse linears call their TVM kernels for one token: none is a torch weight read, so the decode
+    # step runs on one torch thread (runtime/threads.py)
+    assert s.torch_weight_reads == [] and s.decode_torch_threads == 1
     recorded = s.manifest.build  # the input-sparsity options that shaped it, so that it can be rebuilt alike
     assert (recorded["input_sparsity"], recorded["input_allocation"], recorded["input_loss_tokens"]) == ("all", "uniform", 64)
     assert torch.allclose(picompile.load(some, dense=True).logits(IDS), a, atol=1e-4)
