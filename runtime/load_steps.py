@@ -139,8 +139,8 @@ def _opaque_calls(state: LoadState) -> None:
     state.decode, state.prefill = opaque_calls(state.decode), opaque_calls(state.prefill)
 
 
-@load_step("inline-trivial", ("decode", "prefill"), "merges as adds, FFN parts without rows as zeros (aten ops "
-           "the compiler fuses)")
+@load_step("inline-trivial", ("decode", "prefill"), "merges as adds, FFN parts without rows as zeros, linears "
+           "on bfloat16 copies as their casts and GEMM (aten ops the compiler fuses)")
 def _inline_trivial(state: LoadState) -> None:
     from picompile.runtime.compile import inline_trivial
 

@@ -74,6 +74,39 @@ def test_compiled_streamed_prefill_equals_eager(f16_artifact: Path) -> None:
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.skipif(not (torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()),
+                    reason="this CPU has neither AMX nor AVX512-BF16")
+def test_bf16_prefill_linears_become_casts_and_gemm(f16_artifact: Path) -> None:
+    """prefill_dtype="bfloat16": the compiler's prefill copy computes each linear on a bfloat16 copy as
+    convert → aten.linear → convert (inline-trivial), the floats ir.ops.lin computes; the logits stay the eager
+    step's."""
+    from picompile.ir.ops import is_picompile_op, lin
+    from picompile.ir.schema import args_of
+    from picompile.runtime.compile import _aten_bf16_linear, _bf16_linear, _opaque_copy
+
+    eager = picompile.load(f16_artifact, hybrid="off", prefill_dtype="bfloat16")
+    compiled = picompile.load(f16_artifact, hybrid="off", prefill_dtype="bfloat16", compile=True)
+    linears = [n for n in eager.prefill_graph.graph.nodes
+               if n.op == "call_function" and is_picompile_op(n.target, "linear")]
+    # every layer's q/k/v and o (lm_head's input, a LogitRows selector's output, has no recorded dtype: it stays)
+    inlined = [n for n in linears if _bf16_linear(eager.prefill_graph, args_of(n))]
+    assert len(inlined) >= len(linears) - 1 >= 4
+    copy = _opaque_copy(eager.prefill_graph)
+    calls = [n for n in copy.graph.nodes if n.op == "call_function"]
+    assert sum(is_picompile_op(n.target, "linear") for n in calls) == len(linears) - len(inlined)
+    assert sum(n.target is torch.ops.aten.linear.default for n in calls) == len(inlined)
+    # the rewrite alone, on one node: bit for bit what lin computes
+    g = torch.fx.Graph()
+    x, w, b = g.placeholder("x"), g.placeholder("w"), g.placeholder("b")
+    out = g.output(None)
+    out.args = (_aten_bf16_linear(g, out, {"x": x, "w": w, "b": b}),)
+    xs, ws, bs = torch.randn(3, 8), torch.randn(5, 8).to(torch.bfloat16), torch.randn(5)
+    assert torch.equal(torch.fx.GraphModule({}, g)(xs, ws, bs), lin(xs, ws) + bs)
+    want, got = _logits(eager, 2), _logits(compiled, 2)
+    for w_, g_ in zip(want, got):
+        torch.testing.assert_close(g_, w_, atol=1e-4, rtol=1e-4)
+
+
 def test_compile_without_a_cxx_compiler_fails_clearly(f16_artifact: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(InputError, match="C\\+\\+ compiler"):
