@@ -7,8 +7,8 @@ faster (measured, llama-1b-relu f16). picompile ops stay opaque calls (their fak
 inductor the shapes), except the trivial ones: ``merge`` becomes its adds and an FFN part without rows its
 zeros, which inductor folds into the residual add; a prefill linear on a bfloat16 copy becomes its casts
 and ``aten.linear``, so its activation casts fuse into the loops around the GEMM (4–7 % faster prefill, 1B
-int4). Hybrid-scheduled FFN layers stay opaque too (``HybridFFN``: a graph break each, so their threads, streams and events never enter a traced graph);
-with ``hybrid="auto"`` on a machine where that means "inline", the unscheduled graph is compiled instead.
+int4). Hybrid-scheduled FFN layers stay opaque too (``HybridFFN``: a graph break each, so their threads,
+streams and events never enter a traced graph); with ``hybrid="auto"`` on a machine where that means "inline", the unscheduled graph is compiled instead.
 
 The decode graph's kernel calls become C++ ops (``runtime/native.py``: mask → rows, output allocation and
 the TVM call in C++) and its wrapper is inductor's generated C++, so a decode step runs no Python between
@@ -116,7 +116,8 @@ def _aten_bf16_linear(graph: fx.Graph, node: fx.Node, a: dict[str, Any]) -> fx.N
 
 
 def inline_trivial(gm: fx.GraphModule) -> int:
-    """Every trivial picompile op of ``gm`` (merges, FFN parts without rows) as aten ops, in place; how many."""
+    """Every trivial picompile op of ``gm`` (merges, FFN parts without rows, linears on bfloat16 copies) as aten
+    ops, in place; how many."""
     count = sum(_inline_node(gm, node) for node in list(gm.graph.nodes) if node.op == "call_function")
     gm.recompile()
     return count
