@@ -8,7 +8,8 @@ inductor the shapes), except the trivial ones: ``merge`` becomes its adds and an
 zeros, which inductor folds into the residual add; a prefill linear on a bfloat16 copy becomes its casts
 and ``aten.linear``, so its activation casts fuse into the loops around the GEMM (4–7 % faster prefill, 1B
 int4). Hybrid-scheduled FFN layers stay opaque too (``HybridFFN``: a graph break each, so their threads,
-streams and events never enter a traced graph); with ``hybrid="auto"`` on a machine where that means "inline", the unscheduled graph is compiled instead.
+streams and events never enter a traced graph); with ``hybrid="auto"`` on a machine where that means
+"inline", the unscheduled graph is compiled instead.
 
 The decode graph's kernel calls become C++ ops (``runtime/native.py``: mask → rows, output allocation and
 the TVM call in C++) and its wrapper is inductor's generated C++, so a decode step runs no Python between
@@ -73,17 +74,19 @@ def _inline_node(gm: fx.GraphModule, node: fx.Node) -> bool:
     empty hot part and its merge fold away instead of costing two opaque calls per layer; a linear on a bfloat16
     weight (prefill) is its casts and GEMM. True if it was."""
     graph, op = gm.graph, node_op(node)
+    if op not in ("merge", "linear", *PART_OPS):
+        return False
+    a = args_of(node)
     if op == "merge":
-        a = args_of(node)
         with graph.inserting_before(node):
             out = graph.call_function(torch.ops.aten.add.Tensor, (a["hot"], a["cold"]))
             if a["bias"] is not None:
                 out = graph.call_function(torch.ops.aten.add.Tensor, (out, a["bias"]))
-    elif op in PART_OPS and get_tensor(gm, args_of(node)["w_up"]).shape[0] == 0:
+    elif op in PART_OPS and get_tensor(gm, a["w_up"]).shape[0] == 0:
         with graph.inserting_before(node):
-            out = graph.call_function(torch.ops.aten.zeros_like.default, (args_of(node)["x"],))
-    elif op == "linear" and _bf16_linear(gm, args_of(node)):
-        out = _aten_bf16_linear(graph, node, args_of(node))
+            out = graph.call_function(torch.ops.aten.zeros_like.default, (a["x"],))
+    elif op == "linear" and _bf16_linear(gm, a):
+        out = _aten_bf16_linear(graph, node, a)
     else:
         return False
     out.meta.update(node.meta)

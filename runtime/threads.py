@@ -26,20 +26,18 @@ _ROW_LOOKUPS = (aten.embedding.default,)  # read one row of their weight, not al
 KERNEL_OPS = ("tvm_linear", "tvm_predict", "tvm_sparse_ffn")  # picompile ops calling TVM kernels (lower-tvm)
 
 
-def _calls_kernels(target: Any) -> bool:
-    """A TVM kernel call, or a hybrid FFN scheduler whose CPU partitions are TVM kernel calls."""
+def _calls_kernels(node: fx.Node) -> bool:
+    """A TVM kernel call, or a hybrid FFN scheduler whose CPU partitions are TVM kernel calls, or an input-sparse
+    linear that names its one-token kernel (``sparsify-inputs``; "" means torch computes it for every token count)."""
     from picompile.runtime.hybrid import CudaPartition, HybridFFN
 
+    target = node.target
     if isinstance(target, HybridFFN):
         parts = [getattr(p, "part", None) for p in (target.hot, target.cold) if not isinstance(p, CudaPartition)]
         return all(part is None or is_picompile_op(part.op, "tvm_sparse_ffn") for part in parts)
+    if is_picompile_op(target, "input_sparse_linear"):
+        return bool(args_of(node).get("kernel"))
     return any(is_picompile_op(target, op) for op in KERNEL_OPS)
-
-
-def _input_sparse_kernel(node: fx.Node) -> bool:
-    """An input-sparse linear that names its one-token TVM kernel (``sparsify-inputs``): a decode step's call
-    runs the kernel, not torch ("" means torch computes it for every token count)."""
-    return is_picompile_op(node.target, "input_sparse_linear") and bool(args_of(node).get("kernel"))
 
 
 def torch_weight_reads(gm: fx.GraphModule) -> list[str]:
@@ -48,7 +46,7 @@ def torch_weight_reads(gm: fx.GraphModule) -> list[str]:
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target in _ROW_LOOKUPS or getattr(node.target, "is_view", False):
             continue  # a view (a slice of the rotary table) reads nothing
-        if _calls_kernels(node.target) or _input_sparse_kernel(node):
+        if _calls_kernels(node):
             continue
         args = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node) and a.op == "get_attr"]
         if any(get_tensor(gm, a).dim() >= 2 for a in args):  # a matrix, not a bias, a norm's scale or a threshold
