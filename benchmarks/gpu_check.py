@@ -66,7 +66,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_check_kernels, beside this file
+# gpu_check_kernels and gpu_check_speed, beside this file. Appended, not put first: a folder ahead of
+# site-packages could shadow an installed package (transformers imports the PyPI package "kernels").
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.append(str(Path(__file__).resolve().parent))
 CHECK_DIR = ROOT / ".gpu_check"  # ignored; carried to the device machine
 CARRY_LIMIT = 64 << 20  # bytes: the working tree that travels, carried folders included
 GPU_SECONDS_LIMIT = 480.0
@@ -92,7 +95,7 @@ class _TreeFinder(importlib.abc.MetaPathFinder):
 def bootstrap(prebuilt: Path) -> None:
     """Make picompile importable from this tree, and the carried TVM runtime findable where tvm is absent."""
     if importlib.util.find_spec("picompile") is None:
-        sys.path.insert(0, str(ROOT))
+        sys.path.append(str(ROOT))  # after site-packages: ROOT/kernels must not shadow the PyPI "kernels"
     try:
         missing = importlib.util.find_spec("picompile.kernels") is None
     except ModuleNotFoundError:

@@ -10,6 +10,26 @@ from typing import Any
 
 __version__ = "0.1.0"
 
+
+def _drop_checkout_root() -> None:
+    """Take a source checkout's root off ``sys.path`` (``python -m`` / ``-c`` run in it put it first).
+
+    The root holds ``kernels/``, ``passes/`` and ``runtime/``, installed as ``picompile.kernels`` … by pyproject's
+    package-dir. As top-level names they shadow installed packages: transformers imports the PyPI package
+    ``kernels``, and found ``kernels/`` instead ("cannot import name 'CUDAProperties' from 'kernels'"). picompile
+    itself is reached through its (editable) install, never through this entry.
+    """
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    if not ((root / "pyproject.toml").is_file() and (root / "kernels" / "__init__.py").is_file()):
+        return  # an installed copy: parents[1] is site-packages
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != root]
+
+
+_drop_checkout_root()
+
 # The runtime alternates torch ops (OpenMP pool) with TVM kernels (TVM's own pool) on the same cores.
 # libgomp's workers spin after each parallel region and then steal the cores TVM's workers need:
 # measured here, a 10%-active FFN kernel ran at 38% of copy bandwidth right after torch ops with the

@@ -33,7 +33,7 @@ the neurons computed: the mask counts measured on a separate decode of the same 
 manifest's per-layer ``predicted_active``), plus the KV cache read at the mean decode position. The
 bound is the read bandwidth divided by it: ``buf.sum()`` over a buffer much larger than the caches
 (``read_mib``), bytes / time, measured once per round (median); a decode step reads and hardly writes. The
-copy bandwidth (``dst.copy_(src)``, read + write, the convention of ``benchmarks/kernels.py``) is reported
+copy bandwidth (``dst.copy_(src)``, read + write, the convention of ``benchmarks/kernel_bandwidth.py``) is reported
 beside it. llama.cpp's bytes per token are its GGUF's, dense (:func:`picompile.tools.llama_bench.gguf_bytes_per_token`),
 over the same read bandwidth.
 

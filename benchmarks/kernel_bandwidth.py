@@ -1,9 +1,9 @@
 """Benchmark the TVM sparse FFN kernel against torch (dense matmuls, gather + matmul) and a copy bound.
 
-    python benchmarks/kernels.py [--d-model 4096] [--n-rows 16384] [--dtype float32] [--kind ffn_relu]
-    python benchmarks/kernels.py --kind up [--d-model 2048] [--n-rows 5632] [--dtype float16]
-    python benchmarks/kernels.py --formats float16,int8,int4 [--kind ffn_gated] [--d-model 2048] [--n-rows 5632]
-    python benchmarks/kernels.py --formats int4,int4-float,int8,int8-float --kind up --d-model 2048 --n-rows 2048
+    python benchmarks/kernel_bandwidth.py [--d-model 4096] [--n-rows 16384] [--dtype float32] [--kind ffn_relu]
+    python benchmarks/kernel_bandwidth.py --kind up [--d-model 2048] [--n-rows 5632] [--dtype float16]
+    python benchmarks/kernel_bandwidth.py --formats float16,int8,int4 [--kind ffn_gated] [--d-model 2048] [--n-rows 5632]
+    python benchmarks/kernel_bandwidth.py --formats int4,int4-float,int8,int8-float --kind up --d-model 2048 --n-rows 2048
 
 ``--formats``: each weight format's kernel of ``--kind`` (``ffn_gated`` act silu / ``ffn_relu`` relu / ``up`` /
 ``down``: every selected row is read) at k = 1, 5, 10, 25, 100 % of the rows, the weights rotated over layer copies
