@@ -2,7 +2,7 @@
 
 tvm_linear / tvm_sparse_ffn / tvm_predict (Python bodies: mask → row indices, output allocation, the call
 through tvm_ffi's Python binding) → ``picompile_native::gemv`` / ``sparse_ffn`` / ``predict`` doing the same
-in C++ (int8 / int4 weights: ``qgemv`` / ``qsparse_ffn``, each weight's quants then its float16 scales) and calling the kernel through the TVM-FFI C ABI, given the loaded function's handle. With inductor's
+in C++ (int8 / int4 weights: ``qgemv`` / ``qsparse_ffn``, each weight's quants then its float16 scales) and calling the kernel through the TVM-FFI C ABI, by the loaded function's handle registered under a stable id. With inductor's
 C++ wrapper the compiled decode step then calls its kernels without entering Python.
 
 The library is built with torch's C++ extension loader at the first compiled load (tens of seconds; cached
@@ -11,6 +11,7 @@ why (``native_reason``).
 """
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import torch
@@ -29,8 +30,6 @@ def load_library() -> str:
     if "error" in _STATE:
         return _STATE["error"]
     try:
-        import hashlib
-
         import tvm_ffi.libinfo as info
         from torch.utils.cpp_extension import load
 
@@ -51,36 +50,41 @@ def _register_fakes() -> None:
     lib = "picompile_native::"
 
     @torch.library.register_fake(lib + "gemv")
-    def _gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, fn: int) -> torch.Tensor:
+    def _gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, kernel: int) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], w.shape[0]))
 
     @torch.library.register_fake(lib + "sparse_ffn")
     def _ffn(x: torch.Tensor, w_up: torch.Tensor, b_up: torch.Tensor | None, w_gate: torch.Tensor | None,
-             w_down_t: torch.Tensor, mask: torch.Tensor | None, fn: int) -> torch.Tensor:
+             w_down_t: torch.Tensor, mask: torch.Tensor | None, kernel: int) -> torch.Tensor:
         return torch.empty_like(x)
 
     @torch.library.register_fake(lib + "qgemv")
-    def _qgemv(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, b: torch.Tensor | None, fn: int) -> torch.Tensor:
+    def _qgemv(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, b: torch.Tensor | None, kernel: int) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], w.shape[0]))
 
     @torch.library.register_fake(lib + "qsparse_ffn")
     def _qffn(x: torch.Tensor, w_up: torch.Tensor, s_up: torch.Tensor, b_up: torch.Tensor | None,
               w_gate: torch.Tensor | None, s_gate: torch.Tensor | None, w_down_t: torch.Tensor, s_down: torch.Tensor,
-              mask: torch.Tensor | None, fn: int) -> torch.Tensor:
+              mask: torch.Tensor | None, kernel: int) -> torch.Tensor:
         return torch.empty_like(x)
 
     @torch.library.register_fake(lib + "predict")
     def _predict(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, offset: torch.Tensor | None,
-                 thr: torch.Tensor, fn: int) -> torch.Tensor:
+                 thr: torch.Tensor, kernel: int) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], fc2.shape[0]), dtype=torch.bool)
 
 
-def _handle(key: str) -> int | None:
-    """The C handle of the loaded CPU kernel ``key``'s one-token function (None: not a loaded CPU kernel)."""
+def _kernel_id(key: str) -> int | None:
+    """The id the C++ ops know the loaded CPU kernel ``key``'s one-token function by (None: not a loaded CPU
+    kernel). Its handle is registered under it (``set_kernel``); the id is the key's hash, so the rewritten graph
+    is the same code in every process and inductor's on-disk cache finds it (a handle, an address, would differ
+    in each process: the decode step was compiled anew at every load)."""
     kern = find_kernel(key)
     if kern is None or getattr(kern.spec, "is_cuda", True):  # type: ignore[attr-defined]
         return None
-    return int(kern.decode_fn.__chandle__())  # type: ignore[attr-defined]
+    kid = int(hashlib.sha256(key.encode()).hexdigest()[:15], 16)  # < 2**60: an int64 in the op's schema
+    torch.ops.picompile_native.set_kernel(kid, int(kern.decode_fn.__chandle__()))  # type: ignore[attr-defined]
+    return kid
 
 
 class _Thresholds:
@@ -107,14 +111,14 @@ def _native_call(gm: fx.GraphModule, node: fx.Node, thresholds: _Thresholds) -> 
         return None
     a = args_of(node)
     if op == "tvm_linear":
-        fn = _handle(str(a["kernel"]))
+        fn = _kernel_id(str(a["kernel"]))
         if fn is None:
             return None
         if a.get("s") is not None:  # int8 / int4 quants and their scales
             return native.qgemv.default, (a["x"], a["w"], a["s"], a["b"], fn)
         return native.gemv.default, (a["x"], a["w"], a["b"], fn)
     if op == "tvm_sparse_ffn":
-        fn = _handle(str(a["kernel"]))
+        fn = _kernel_id(str(a["kernel"]))
         if fn is None or get_tensor(gm, a["w_up"]).shape[0] == 0:  # an empty part stays (zeros, no launch)
             return None
         if a.get("b_gate") is not None:  # a gate bias: the Python op passes it (the C++ op has no slot for it)
@@ -123,7 +127,7 @@ def _native_call(gm: fx.GraphModule, node: fx.Node, thresholds: _Thresholds) -> 
             return native.qsparse_ffn.default, (a["x"], a["w_up"], a["s_up"], a["b_up"], a["w_gate"], a["s_gate"],
                                                 a["w_down_t"], a["s_down"], a["mask"], fn)
         return native.sparse_ffn.default, (a["x"], a["w_up"], a["b_up"], a["w_gate"], a["w_down_t"], a["mask"], fn)
-    fn = _handle(str(a["kernel1"]))
+    fn = _kernel_id(str(a["kernel1"]))
     if fn is None or a["kernel2"]:  # two GEMVs (older artifacts): the Python op
         return None
     thr = thresholds.node(float(a["threshold"]))

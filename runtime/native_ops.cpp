@@ -5,6 +5,9 @@
 // C++, and the kernel is called through the TVM-FFI C ABI (TVMFFIFunctionCall on the handle of the loaded
 // function), so a compiled decode step whose wrapper is C++ (inductor's cpp_wrapper) calls its kernels
 // without entering Python. Arguments go to the kernel in its PrimFunc order, optional ones left out.
+// A graph names its kernel by a stable id (a hash of the kernel's key, registered with set_kernel at load),
+// not by the handle's address: the graph's code is then the same in every process, so TorchInductor's
+// on-disk cache finds it again.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -12,6 +15,7 @@
 
 #include <map>
 #include <mutex>
+#include <unordered_map>
 #include <vector>
 
 namespace {
@@ -35,7 +39,25 @@ at::Tensor aligned(const at::Tensor& t) {
   return out.copy_(c);
 }
 
-void call(int64_t handle, const std::vector<at::Tensor>& args) {
+std::mutex kernels_lock;
+std::unordered_map<int64_t, int64_t>& kernels() {  // kernel id -> the loaded function's handle
+  static std::unordered_map<int64_t, int64_t> table;
+  return table;
+}
+
+void set_kernel(int64_t id, int64_t handle) {
+  std::lock_guard<std::mutex> guard(kernels_lock);
+  kernels()[id] = handle;
+}
+
+void call(int64_t kernel, const std::vector<at::Tensor>& args) {
+  int64_t handle = 0;
+  {
+    std::lock_guard<std::mutex> guard(kernels_lock);
+    auto it = kernels().find(kernel);
+    TORCH_CHECK(it != kernels().end(), "picompile_native: kernel id ", kernel, " was never registered");
+    handle = it->second;
+  }
   std::vector<DLTensor> dl(args.size());
   std::vector<TVMFFIAny> packed(args.size());
   for (size_t i = 0; i < args.size(); ++i) {
@@ -94,17 +116,17 @@ std::vector<int64_t> out_shape(const at::Tensor& x, int64_t n) {
   return s;
 }
 
-at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b, int64_t fn) {
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b, int64_t kernel) {
   TORCH_CHECK(x.numel() == x.size(-1), "picompile_native::gemv takes one token");
   at::Tensor y = at::empty({w.size(0)}, x.options());  // [d_out]
-  call(fn, {aligned(x.reshape({-1})), w, all_rows(w.size(0)), y});
+  call(kernel, {aligned(x.reshape({-1})), w, all_rows(w.size(0)), y});
   if (b.has_value()) y.add_(*b);
   return y.view(out_shape(x, w.size(0)));
 }
 
 at::Tensor sparse_ffn(const at::Tensor& x, const at::Tensor& w_up, const std::optional<at::Tensor>& b_up,
                       const std::optional<at::Tensor>& w_gate, const at::Tensor& w_down_t,
-                      const std::optional<at::Tensor>& mask, int64_t fn) {
+                      const std::optional<at::Tensor>& mask, int64_t kernel) {
   const int64_t d = x.size(-1);
   TORCH_CHECK(x.numel() == d, "picompile_native::sparse_ffn takes one token");
   at::Tensor y = at::empty({d}, x.options());  // [d_model]
@@ -116,17 +138,17 @@ at::Tensor sparse_ffn(const at::Tensor& x, const at::Tensor& w_up, const std::op
   args.push_back(w_down_t);
   args.push_back(idx);
   args.push_back(y);
-  call(fn, args);
+  call(kernel, args);
   return y.view(x.sizes());
 }
 
 // quantized weights (int8 / int4 quants + float16 scales, kernels/qformat.py): each weight is passed as its
 // quants then its scales, b_up after the gate (kernels.loader.call_args)
 at::Tensor qgemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, const std::optional<at::Tensor>& b,
-                 int64_t fn) {
+                 int64_t kernel) {
   TORCH_CHECK(x.numel() == x.size(-1), "picompile_native::qgemv takes one token");
   at::Tensor y = at::empty({w.size(0)}, x.options());  // [d_out]
-  call(fn, {aligned(x.reshape({-1})), w, s, all_rows(w.size(0)), y});
+  call(kernel, {aligned(x.reshape({-1})), w, s, all_rows(w.size(0)), y});
   if (b.has_value()) y.add_(*b);
   return y.view(out_shape(x, w.size(0)));
 }
@@ -134,7 +156,7 @@ at::Tensor qgemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, 
 at::Tensor qsparse_ffn(const at::Tensor& x, const at::Tensor& w_up, const at::Tensor& s_up,
                        const std::optional<at::Tensor>& b_up, const std::optional<at::Tensor>& w_gate,
                        const std::optional<at::Tensor>& s_gate, const at::Tensor& w_down_t, const at::Tensor& s_down,
-                       const std::optional<at::Tensor>& mask, int64_t fn) {
+                       const std::optional<at::Tensor>& mask, int64_t kernel) {
   const int64_t d = x.size(-1);
   TORCH_CHECK(x.numel() == d, "picompile_native::qsparse_ffn takes one token");
   TORCH_CHECK(w_gate.has_value() == s_gate.has_value(), "picompile_native::qsparse_ffn: a gate needs its scales");
@@ -151,30 +173,31 @@ at::Tensor qsparse_ffn(const at::Tensor& x, const at::Tensor& w_up, const at::Te
   args.push_back(s_down);
   args.push_back(idx);
   args.push_back(y);
-  call(fn, args);
+  call(kernel, args);
   return y.view(x.sizes());
 }
 
 at::Tensor predict(const at::Tensor& x, const at::Tensor& fc1, const at::Tensor& fc2,
-                   const std::optional<at::Tensor>& offset, const at::Tensor& thr, int64_t fn) {
+                   const std::optional<at::Tensor>& offset, const at::Tensor& thr, int64_t kernel) {
   TORCH_CHECK(x.numel() == x.size(-1), "picompile_native::predict takes one token");
   at::Tensor mask = at::empty({fc2.size(0)}, x.options().dtype(at::kChar));  // [n_neurons], written 0/1
   std::vector<at::Tensor> args{aligned(x.reshape({-1})), fc1, fc2};
   if (offset.has_value()) args.push_back(*offset);
   args.push_back(thr);
   args.push_back(mask);
-  call(fn, args);
+  call(kernel, args);
   return mask.view(at::kBool).view(out_shape(x, fc2.size(0)));
 }
 
 }  // namespace
 
 TORCH_LIBRARY(picompile_native, m) {
-  m.def("gemv(Tensor x, Tensor w, Tensor? b, int fn) -> Tensor");
-  m.def("sparse_ffn(Tensor x, Tensor w_up, Tensor? b_up, Tensor? w_gate, Tensor w_down_t, Tensor? mask, int fn) -> Tensor");
-  m.def("qgemv(Tensor x, Tensor w, Tensor s, Tensor? b, int fn) -> Tensor");
-  m.def("qsparse_ffn(Tensor x, Tensor w_up, Tensor s_up, Tensor? b_up, Tensor? w_gate, Tensor? s_gate, Tensor w_down_t, Tensor s_down, Tensor? mask, int fn) -> Tensor");
-  m.def("predict(Tensor x, Tensor fc1, Tensor fc2, Tensor? offset, Tensor thr, int fn) -> Tensor");
+  m.def("set_kernel(int id, int handle) -> ()", &set_kernel);
+  m.def("gemv(Tensor x, Tensor w, Tensor? b, int kernel) -> Tensor");
+  m.def("sparse_ffn(Tensor x, Tensor w_up, Tensor? b_up, Tensor? w_gate, Tensor w_down_t, Tensor? mask, int kernel) -> Tensor");
+  m.def("qgemv(Tensor x, Tensor w, Tensor s, Tensor? b, int kernel) -> Tensor");
+  m.def("qsparse_ffn(Tensor x, Tensor w_up, Tensor s_up, Tensor? b_up, Tensor? w_gate, Tensor? s_gate, Tensor w_down_t, Tensor s_down, Tensor? mask, int kernel) -> Tensor");
+  m.def("predict(Tensor x, Tensor fc1, Tensor fc2, Tensor? offset, Tensor thr, int kernel) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(picompile_native, CPU, m) {

@@ -36,7 +36,7 @@ def test_each_op_equals_its_python_op(session: picompile.Session) -> None:
     lin = _nodes(session, "tvm_linear")[0]
     x = torch.randn(1, 1, get_tensor(gm, lin.args[1]).shape[1], generator=g)
     w = get_tensor(gm, lin.args[1])
-    fn = native._handle(lin.args[3])
+    fn = native._kernel_id(lin.args[3])
     assert fn is not None
     torch.testing.assert_close(nat.gemv(x, w, None, fn), ops.tvm_linear(x, w, None, lin.args[3]), rtol=0, atol=0)
     bias = torch.randn(w.shape[0], generator=g)
@@ -45,7 +45,7 @@ def test_each_op_equals_its_python_op(session: picompile.Session) -> None:
     ffn = next(n for n in _nodes(session, "tvm_sparse_ffn") if n.args[10])
     x_up, b_up, w_gate, w_down_t = (get_tensor(gm, a) if a is not None else None for a in ffn.args[1:5])
     x = torch.randn(1, 1, x_up.shape[1], generator=g)
-    fn = native._handle(ffn.args[10])
+    fn = native._kernel_id(ffn.args[10])
     for mask in (torch.rand(1, 1, x_up.shape[0], generator=g) < 0.2, torch.zeros(1, 1, x_up.shape[0], dtype=torch.bool), None):
         want = ops.tvm_sparse_ffn(x, x_up, b_up, w_gate, w_down_t, mask, *ffn.args[6:12])
         got = nat.sparse_ffn(x, x_up, b_up, w_gate, w_down_t, mask, fn)
@@ -59,7 +59,7 @@ def test_each_op_equals_its_python_op(session: picompile.Session) -> None:
     offset = get_tensor(gm, a["offset"]) if a["offset"] is not None else None
     x = torch.randn(1, 1, fc1.shape[1], generator=g)
     want = ops.tvm_predict(x, fc1, fc2, a["threshold"], a["layer"], a["kernel1"], a["kernel2"], a["act"], offset)
-    got = nat.predict(x, fc1, fc2, offset, threshold_tensor(a["threshold"]), native._handle(a["kernel1"]))
+    got = nat.predict(x, fc1, fc2, offset, threshold_tensor(a["threshold"]), native._kernel_id(a["kernel1"]))
     assert got.dtype == torch.bool and torch.equal(got, want) and 0 < int(got.sum()) < got.numel()
 
 
@@ -132,3 +132,29 @@ def test_quantized_decode_graph_is_native(quantized_artifacts: dict[str, Path], 
             want, *past_e = session.graph(torch.tensor([[tok]]), *past_e)
             got, *past_n = decode(torch.tensor([[tok]]), *past_n)
             torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_native_graph_names_its_kernels_by_stable_ids(session: picompile.Session) -> None:
+    """The rewritten graph holds no kernel address (one per process: the code, and with it the key of inductor's
+    on-disk cache, would differ at every load), only ids from the kernels' keys; an id never registered fails
+    with a message naming it."""
+    from picompile.kernels.table import find_kernel
+    from picompile.runtime.compile import _opaque_copy
+
+    decode = _opaque_copy(session.graph)
+    assert native.to_native(decode) > 0
+    calls = [n for n in decode.graph.nodes if n.op == "call_function" and str(n.target).startswith("picompile_native.")]
+    keys = {str(schema.args_of(n)[k]) for n in _nodes(session, "tvm_linear") + _nodes(session, "tvm_sparse_ffn")
+            for k in ("kernel",) if schema.args_of(n).get(k)}
+    handles = {int(find_kernel(k).decode_fn.__chandle__()) for k in keys}  # type: ignore[union-attr]
+    ids = {n.args[-1] for n in calls}
+    assert ids and not ids & handles and not any(str(h) in decode.code for h in handles)
+    assert ids <= {native._kernel_id(k) for k in keys} | {native._kernel_id(str(schema.args_of(n)["kernel1"]))
+                                                          for n in _nodes(session, "tvm_predict")}
+    again = _opaque_copy(session.graph)
+    native.to_native(again)
+    assert again.code == decode.code  # the same graph rewritten twice: the same code
+    lin = _nodes(session, "tvm_linear")[0]
+    w = get_tensor(session.graph, lin.args[1])
+    with pytest.raises(RuntimeError, match="kernel id 12345 was never registered"):
+        torch.ops.picompile_native.gemv(torch.randn(1, 1, w.shape[1]), w, None, 12345)
