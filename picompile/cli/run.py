@@ -18,7 +18,7 @@ def add_load_arguments(p: argparse.ArgumentParser) -> None:
                    help="how each FFN's hot (GPU) and cold (CPU) parts run: auto = cuda with a GPU, else inline")
     p.add_argument("--compile", action="store_true",
                    help="fuse the glue between the kernels with torch.compile (faster decode; the first call "
-                        "compiles, about a minute for a 1B model, seconds once cached; needs a C++ compiler)")
+                        "compiles, about a minute for a 1B model, half that once cached; needs a C++ compiler)")
     p.add_argument("--prefill-dtype", choices=["auto", "weights", "bfloat16", "bfloat16-stream"],
                    help="the prompt's GEMM dtype: bfloat16 on copies of the weights made at load (CPUs with AMX or "
                         "AVX512-BF16: faster prefill, coarser logits, the memory of a bfloat16 model), "
