@@ -111,27 +111,27 @@ def _native_call(gm: fx.GraphModule, node: fx.Node, thresholds: _Thresholds) -> 
         return None
     a = args_of(node)
     if op == "tvm_linear":
-        fn = _kernel_id(str(a["kernel"]))
-        if fn is None:
+        kid = _kernel_id(str(a["kernel"]))
+        if kid is None:
             return None
         if a.get("s") is not None:  # int8 / int4 quants and their scales
-            return native.qgemv.default, (a["x"], a["w"], a["s"], a["b"], fn)
-        return native.gemv.default, (a["x"], a["w"], a["b"], fn)
+            return native.qgemv.default, (a["x"], a["w"], a["s"], a["b"], kid)
+        return native.gemv.default, (a["x"], a["w"], a["b"], kid)
     if op == "tvm_sparse_ffn":
-        fn = _kernel_id(str(a["kernel"]))
-        if fn is None or get_tensor(gm, a["w_up"]).shape[0] == 0:  # an empty part stays (zeros, no launch)
+        kid = _kernel_id(str(a["kernel"]))
+        if kid is None or get_tensor(gm, a["w_up"]).shape[0] == 0:  # an empty part stays (zeros, no launch)
             return None
         if a.get("b_gate") is not None:  # a gate bias: the Python op passes it (the C++ op has no slot for it)
             return None
         if a.get("s_up") is not None:
             return native.qsparse_ffn.default, (a["x"], a["w_up"], a["s_up"], a["b_up"], a["w_gate"], a["s_gate"],
-                                                a["w_down_t"], a["s_down"], a["mask"], fn)
-        return native.sparse_ffn.default, (a["x"], a["w_up"], a["b_up"], a["w_gate"], a["w_down_t"], a["mask"], fn)
-    fn = _kernel_id(str(a["kernel1"]))
-    if fn is None or a["kernel2"]:  # two GEMVs (older artifacts): the Python op
+                                                a["w_down_t"], a["s_down"], a["mask"], kid)
+        return native.sparse_ffn.default, (a["x"], a["w_up"], a["b_up"], a["w_gate"], a["w_down_t"], a["mask"], kid)
+    kid = _kernel_id(str(a["kernel1"]))
+    if kid is None or a["kernel2"]:  # two GEMVs (older artifacts): the Python op
         return None
     thr = thresholds.node(float(a["threshold"]))
-    return native.predict.default, (a["x"], a["fc1"], a["fc2"], a["offset"], thr, fn)
+    return native.predict.default, (a["x"], a["fc1"], a["fc2"], a["offset"], thr, kid)
 
 
 def to_native(gm: fx.GraphModule) -> int:
