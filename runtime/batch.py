@@ -419,7 +419,7 @@ class BatchRunner:
         s = self.session
         s._check_room(start, len(ids))
         arenas = self.slots[slot]
-        graphs = {id(g): g for g in (s.prefill_graph, s.decode_graph)}.values()
+        graphs = s.step_graphs  # a one-token prompt runs the decode form
         saved = [[getattr(g, f"kv_arena{i}") for i in range(self.n_past)] for g in graphs]
         try:
             for g in graphs:

@@ -44,13 +44,14 @@ class LoadOptions:
     target_has_gpu: bool = False  # the artifact's target ("auto" picks cuda only with one)
     direct: bool = False  # the picompile ops called past torch's dispatcher, metadata asserts dropped: for running
     aligned: bool = False  # the artifact has TVM kernels: weights copied into aligned anonymous memory
+    kernels: bool = False  # the artifact has TVM kernels (session steps: eager decode calls them through C++ ops)
     mapped_weights: bool = False  # weights left on the file's mapping (only misaligned ones copied)
     dense_prefill: bool = True  # prefill computes every neuron (decode runs the masks)
     prefill_dtype: Optional[str] = None  # "bfloat16": prefill's GEMMs on bfloat16 weight copies; "bfloat16-stream": without
     kv_in_place: bool = True  # the KV cache in preallocated arenas
     last_logits: bool = True  # (eager) prefill can compute lm_head for the last position only (logit_rows.py)
     compile: bool = False  # torch.compile'd step: opaque copies, native kernel calls, matmul attention
-    native: bool = True  # (compile) the decode graph's kernel calls as C++ ops
+    native: bool = True  # the decode graph's CPU kernel calls as C++ ops (eager and compiled)
     matmul_attention: bool = True  # decode attention as matmuls (eager and compiled)
 
 
@@ -135,6 +136,8 @@ def session_steps(o: LoadOptions) -> list[str]:
         steps += ["opaque-calls", "inline-trivial"]
         steps += ["native-calls"] if o.native else []
     steps += ["decode-attention"] if o.matmul_attention else []
+    # eager: last, on a copy (runtime/batch.py batches the form before it), where there are TVM kernels to call
+    steps += ["native-calls"] if o.native and o.kernels and not o.compile else []
     return steps
 
 

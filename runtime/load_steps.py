@@ -151,11 +151,21 @@ def _inline_trivial(state: LoadState) -> None:
 @load_step("native-calls", ("decode",), "the decode graph's CPU kernel calls as picompile_native C++ ops "
            "(notes native_reason when the library cannot be built)")
 def _native_calls(state: LoadState) -> None:
-    from picompile.runtime.native import load_library, to_native
+    from picompile.ir.graph import shared_copy
+    from picompile.runtime.native import has_native_calls, load_library, to_native
 
     assert state.decode is not None
+    # the form before it stays what runtime/batch.py batches (it reads picompile ops: C++ ones take one token)
+    state.notes["batch_decode"] = state.decode
+    if not has_native_calls(state.decode):  # nothing to rewrite (no CPU kernel): the library is not built
+        state.notes.update(native_reason="no CPU kernel calls", native_calls=0)
+        return
     reason = load_library()
-    state.notes.update(native_reason=reason, native_calls=0 if reason else to_native(state.decode))
+    if reason:
+        state.notes.update(native_reason=reason, native_calls=0)
+        return
+    state.decode = shared_copy(state.decode)  # the others, and batch_decode, keep the Python ops
+    state.notes.update(native_reason="", native_calls=to_native(state.decode))
 
 
 @load_step("decode-attention", ("decode",), "the decode graph's scaled_dot_product_attention as two matmuls "

@@ -143,7 +143,8 @@ def load_options(manifest: Manifest, dense: bool = False, hybrid: str = "off", d
     from picompile.targets import Target
 
     return LoadOptions(dense=dense, hybrid=hybrid, target_has_gpu=Target.from_json(manifest.target).has_gpu,
-                       direct=direct, aligned=bool(manifest.sections.get("kernels")), **session)
+                       direct=direct, aligned=bool(manifest.sections.get("kernels")),
+                       kernels=bool(manifest.sections.get("kernels")), **session)
 
 
 def load_graph(root: Path, manifest: Manifest, dense: bool = False, hybrid: str = "off",

@@ -58,7 +58,8 @@ class Session:
         self.prefill_reason: str = prefill_reason  # why (runtime/compute_dtype.choose)
         self._compiled = compile
         state = self._run_steps(LoadOptions(dense_prefill=dense_prefill, prefill_dtype=prefill_dtype,
-                                            kv_in_place=kv_in_place, compile=compile), load_run)
+                                            kv_in_place=kv_in_place, compile=compile,
+                                            kernels=bool(manifest.sections.get("kernels"))), load_run)
         notes = state.notes
         self.dense_prefill: bool = bool(notes.get("dense_prefill", False))  # prefill runs a mask-free copy
         self.kv: KVArenas | None = notes.get("kv")  # the in-place KV cache (None: every step concatenates the past)
@@ -67,16 +68,22 @@ class Session:
         self.logit_rows: LogitRows | None = notes.get("logit_rows")
         assert state.decode is not None and state.prefill is not None
         decode_run, prefill_run = state.decode, state.prefill
-        self.decode_graph, self.prefill_graph = decode_run, prefill_run  # the forms steps run (runtime/batch.py)
+        # the forms runtime/batch.py builds on: prefill as steps run it, decode before native-calls (the C++ kernel
+        # ops take one token; batch.py batches the picompile ops)
+        self.decode_graph, self.prefill_graph = notes.get("batch_decode", decode_run), prefill_run
+        self.step_graphs: tuple[fx.GraphModule, ...] = tuple(  # every distinct graph a step may run or read
+            {id(g): g for g in (prefill_run, decode_run, self.decode_graph)}.values())
         if compile:
             from picompile.runtime.compile import compile_step
 
             self.step_fn = compile_step(decode_run, prefill_run)  # dispatches on the token count itself
-            self.step_fn.native_calls = notes.get("native_calls", 0)  # type: ignore[attr-defined]  # kernel calls made C++ ops
-            self.step_fn.native_reason = notes.get("native_reason", "native=False")  # type: ignore[attr-defined]
             self.step_fn.attention_rewrites = notes.get("attention_rewrites", 0)  # type: ignore[attr-defined]
         else:
             self.step_fn = lambda ids, *past: (prefill_run if ids.shape[-1] > 1 else decode_run)(ids, *past)
+        self.native_calls: int = int(notes.get("native_calls", 0))  # decode's kernel calls made C++ ops (native.py)
+        self.native_reason: str = notes.get("native_reason", "native=False")  # why none were ("" when some were)
+        self.step_fn.native_calls = self.native_calls  # type: ignore[attr-defined]
+        self.step_fn.native_reason = self.native_reason  # type: ignore[attr-defined]
         # decode on one torch thread where TVM kernels read every weight (runtime/threads.py), judged on the
         # eager decode form (the compiler's copy calls the same kernels through C++ ops)
         self.torch_weight_reads = torch_weight_reads(self.kv.graph if self.kv is not None else graph)

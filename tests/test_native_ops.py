@@ -1,4 +1,4 @@
-"""picompile_native (runtime/native.py, native_ops.cpp): the compiled decode step's kernel calls as C++ ops.
+"""picompile_native (runtime/native.py, native_ops.cpp): the decode step's kernel calls as C++ ops (eager and compiled).
 Each op gives its Python op's result on the same loaded kernel (masks with no active row included), the
 compiled step rewrites every CPU kernel call, and a library that cannot be built leaves the Python ops."""
 from __future__ import annotations
@@ -86,6 +86,31 @@ def test_compiled_session_uses_native_ops(session: picompile.Session) -> None:
     compiled step's tokens against the eager step's: test_compile.py, which runs these ops)."""
     compiled = picompile.load(session.root, hybrid="off", compile=True)
     assert compiled.step_fn.native_calls > 0 and compiled.step_fn.native_reason == ""
+
+
+def test_eager_session_decodes_through_native_ops(session: picompile.Session) -> None:
+    """An eager load of a kernel artifact runs ``native-calls`` last: its decode form calls the C++ ops, the form
+    runtime/batch.py batches keeps the picompile ops, and greedy decoding gives the same tokens and logits, bit
+    for bit, as the Python ops."""
+    assert session.load_steps[-1] == "native-calls" and session.native_calls > 0 and session.native_reason == ""
+    decode = next(g for g in session.step_graphs if g is not session.prefill_graph and g is not session.decode_graph)
+    targets = [str(n.target) for n in decode.graph.nodes if n.op == "call_function"]
+    assert sum(t.startswith("picompile_native.") for t in targets) == session.native_calls
+    left = [n for n in decode.graph.nodes if n.op == "call_function" and any(is_picompile_op(n.target, op) for op in LOWERED)]
+    assert all(get_tensor(decode, schema.args_of(n)["w_up"]).shape[0] == 0 for n in left)  # only empty FFN parts stay
+    assert any(is_picompile_op(n.target, "tvm_linear") for n in session.decode_graph.graph.nodes)
+    prompt = [5, 9, 2, 7, 1, 30, 4]
+    got = session.generate(prompt, max_new_tokens=8, stop_at_eos=False)
+    got_logits = session.last_logits.clone()
+    step_fn = session.step_fn
+    python = session.decode_graph  # the same step with the Python ops
+    session.step_fn = lambda ids, *past: (session.prefill_graph if ids.shape[-1] > 1 else python)(ids, *past)
+    try:
+        want = session.generate(prompt, max_new_tokens=8, stop_at_eos=False)
+    finally:
+        session.step_fn = step_fn
+    assert got == want
+    torch.testing.assert_close(got_logits, session.last_logits, rtol=0, atol=0)
 
 
 def test_unbuildable_library_leaves_python_ops(session: picompile.Session, monkeypatch: pytest.MonkeyPatch,
