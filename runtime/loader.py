@@ -142,9 +142,9 @@ def load_options(manifest: Manifest, dense: bool = False, hybrid: str = "off", d
     """The options of a load of ``manifest`` (``session``: the session steps' options, see ``LoadOptions``)."""
     from picompile.targets import Target
 
+    kernels = bool(manifest.sections.get("kernels"))
     return LoadOptions(dense=dense, hybrid=hybrid, target_has_gpu=Target.from_json(manifest.target).has_gpu,
-                       direct=direct, aligned=bool(manifest.sections.get("kernels")),
-                       kernels=bool(manifest.sections.get("kernels")), **session)
+                       direct=direct, aligned=kernels, kernels=kernels, **session)
 
 
 def load_graph(root: Path, manifest: Manifest, dense: bool = False, hybrid: str = "off",

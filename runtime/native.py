@@ -77,13 +77,19 @@ def _register_fakes() -> None:
         return x.new_empty((*x.shape[:-1], fc2.shape[0]), dtype=torch.bool)
 
 
+def _cpu_kernel(key: str) -> object | None:
+    """The loaded kernel ``key`` when it is a CPU one (the C++ ops call only those), else None."""
+    kern = find_kernel(key)
+    return None if kern is None or getattr(kern.spec, "is_cuda", True) else kern  # type: ignore[attr-defined]
+
+
 def _kernel_id(key: str) -> int | None:
     """The id the C++ ops know the loaded CPU kernel ``key``'s one-token function by (None: not a loaded CPU
     kernel). Its handle is registered under it (``set_kernel``); the id is the key's hash, so the rewritten graph
     is the same code in every process and inductor's on-disk cache finds it (a handle, an address, would differ
     in each process: the decode step was compiled anew at every load)."""
-    kern = find_kernel(key)
-    if kern is None or getattr(kern.spec, "is_cuda", True):  # type: ignore[attr-defined]
+    kern = _cpu_kernel(key)
+    if kern is None:
         return None
     kid = int(hashlib.sha256(key.encode()).hexdigest()[:15], 16)  # < 2**60: an int64 in the op's schema
     torch.ops.picompile_native.set_kernel(kid, int(kern.decode_fn.__chandle__()))  # type: ignore[attr-defined]
@@ -142,8 +148,7 @@ def has_native_calls(gm: fx.GraphModule) -> bool:
     for node in gm.graph.nodes:
         if node_op(node) in ("tvm_linear", "tvm_sparse_ffn", "tvm_predict"):
             a = args_of(node)
-            kern = find_kernel(str(a.get("kernel", a.get("kernel1"))))
-            if kern is not None and not getattr(kern.spec, "is_cuda", True):
+            if _cpu_kernel(str(a.get("kernel", a.get("kernel1")))) is not None:
                 return True
     return False
 
