@@ -56,7 +56,8 @@ def measure(session: Session, prompt_len: int = 64, steps: int = 8, rounds: int 
     # calls are recorded from the eager step on the same weights (the same calls), and cannot be timed
     # one by one inside it
     native = int(getattr(getattr(session, "step_fn", None), "native_calls", 0) or 0) > 0
-    recorded = Session(session.root, session.manifest, session.graph, session.tokenizer) if native else session
+    recorded = (Session(session.root, session.manifest, session.graph, session.tokenizer, native=False)
+                if native else session)
     decs = {id(s): s.decoder() for s in (session, recorded)}  # as generate runs (the KV cache in place)
     first = int(decs[id(session)].feed(prompt)[-1].argmax())
     if native:

@@ -10,7 +10,7 @@ from picompile.runtime.session import Session
 def load(path: str | Path, verify: bool = True, dense: bool = False, hybrid: str = "auto",
          compile: bool = False, prefill_dtype: str | None = None, *, print_after: Sequence[str] = (),
          dump_ir: str | Path | None = None, emit: Callable[[str], None] = print, kernels: str = "local",
-         weights: str = "copied") -> Session:
+         weights: str = "copied", native: bool = True) -> Session:
     """Load an artifact directory: check its manifest version and checksums, bind weights, return a Session.
 
     ``dense=True`` computes every FFN neuron (predictors dropped): the artifact's own dense reference.
@@ -39,6 +39,8 @@ def load(path: str | Path, verify: bool = True, dense: bool = False, hybrid: str
     ``weights``: "copied" (default) copies every weight into aligned anonymous memory (huge pages) for the kernels;
     "mapped" leaves them on a private mapping of the weights file, copying only those not aligned for a kernel
     (``session.graph.meta["realigned_bytes"]``): resident memory is what the page cache holds of the file.
+    ``native``: decode calls its CPU kernels through the C++ ops (``runtime/native.py``; default); False keeps
+    the Python kernel calls (each one seen by ``picompile.kernels.table.KERNEL_TABLE``: recording, replay).
     """
     from picompile.errors import InputError
 
@@ -71,7 +73,7 @@ def load(path: str | Path, verify: bool = True, dense: bool = False, hybrid: str
 
         hybrid = transparent_mode(hybrid, Target.from_json(manifest.target).has_gpu)
     options = load_options(manifest, dense=dense, hybrid=hybrid, direct=True, compile=compile,
-                           prefill_dtype=prefill_dtype, mapped_weights=weights == "mapped")
+                           prefill_dtype=prefill_dtype, mapped_weights=weights == "mapped", native=native)
     # an unknown print_after name fails here, before the graph is read
     run = LoadRun(load_steps(options), print_after=list(print_after), dump_ir=_path(dump_ir), emit=emit)
     graph = load_graph(root, manifest, dense=dense, hybrid=hybrid, direct=True, run=run, kernels=kernels,
@@ -82,7 +84,7 @@ def load(path: str | Path, verify: bool = True, dense: bool = False, hybrid: str
 
         tokenizer = load_tokenizer_entry(manifest.tokenizer, root)
     return Session(root, manifest, graph, tokenizer, compile=compile, prefill_dtype=prefill_dtype, load_run=run,
-                   prefill_reason=prefill_reason)
+                   prefill_reason=prefill_reason, native=native)
 
 
 def _path(p: str | Path | None) -> Optional[Path]:

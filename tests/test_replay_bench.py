@@ -42,7 +42,10 @@ def test_replay_records_every_kernel_call(session: picompile.Session) -> None:
     assert r["calls_per_step"] == linears + predictors + parts  # one kernel per op: a predictor is one call too
     assert {g.split()[0] for g in r["groups"]} == {"up", "predict", "ffn_gated"}
     assert r["bytes_per_step"] == pytest.approx(sum(g["bytes"] for g in r["groups"].values()))
-    assert all(r[k] > 0 for k in ("step_s", "replay_s", "in_step_s"))
+    # a step calling its kernels as C++ ops (the eager default, runtime/native.py) is recorded from a Python-call
+    # copy and cannot be timed call by call inside the step
+    assert session.native_calls > 0
+    assert all(r[k] > 0 for k in ("step_s", "replay_s")) and r.get("in_step_s") is None
     # the recorded arguments are the real ones: each call, run again, writes what it wrote in the step
     with torch.inference_mode():  # the step's tensors are inference tensors
         for kern, args in r["calls"]:

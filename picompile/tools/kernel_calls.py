@@ -80,7 +80,7 @@ def glue_per_layer(artifact: str | Path, prompt_len: int = 64, steps: int = 40, 
     ``prompt_len``-token prompt, each kernel call timed inside the step (medians)."""
     import picompile
 
-    session = picompile.load(artifact)
+    session = picompile.load(artifact, native=False)  # the kernels called from Python, each one timed
     n_layers = int(session.manifest.model["config"].get("num_hidden_layers", 0) or 0)
     if n_layers <= 0:
         raise ValueError(f"{artifact}: the manifest names no layer count")
