@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, fx
 
-from picompile.ir.graph import placeholders, shared_copy
+from picompile.ir.graph import drop_noop_ops, placeholders, shared_copy
 
 aten = torch.ops.aten
 SEQ_DIM = 2  # past / present layout [batch, kv_heads, seq, head_dim]
@@ -132,6 +132,7 @@ def arena_step(gm: fx.GraphModule, n_past: int, capacity: int, arenas: list[Tens
     output = next(n for n in graph.nodes if n.op == "output")
     output.args = ((output.args[0][0],),)  # the presents are the arenas now: return the logits only
     graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or n.target is aten.copy_.default)
+    drop_noop_ops(module)  # the constant copies the cats read (HF's empty cache): unread now, a call per step each
     graph.lint()
     module.recompile()
     return KVArenas(module, arenas)

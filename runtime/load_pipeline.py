@@ -4,7 +4,7 @@ Like the build's pass pipeline (``picompile/pipeline.py``), a load runs named st
 runner lints the graph after each, prints it after the steps named in ``print_after``, writes one
 ``NNN_step.txt`` file per step to ``dump_ir`` and names the step in any error. Each rewrite stays in its
 module (``loader.py``, ``masks.py``, ``hybrid.py``, ``kv_cache.py``, ``compute_dtype.py``, ``logit_rows.py``, ``compile.py``,
-``native.py``, ``decode_attention.py``); its entry in ``LOAD_STEPS`` (``load_steps.py``) gives it a name.
+``native.py``, ``native_glue.py``, ``decode_attention.py``); its entry in ``LOAD_STEPS`` (``load_steps.py``) gives it a name.
 
 A load rewrites up to three graphs (``LoadState``): ``graph``, the decoder step as loaded
 (``Session.graph``: functional, past in, presents out), then ``prefill`` and ``decode``, the forms a
@@ -137,7 +137,7 @@ def session_steps(o: LoadOptions) -> list[str]:
         steps += ["native-calls"] if o.native else []
     steps += ["decode-attention"] if o.matmul_attention else []
     # eager: last, on a copy (runtime/batch.py batches the form before it), where there are TVM kernels to call
-    steps += ["native-calls"] if o.native and o.kernels and not o.compile else []
+    steps += ["native-calls", "native-glue"] if o.native and o.kernels and not o.compile else []
     return steps
 
 

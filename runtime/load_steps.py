@@ -3,7 +3,7 @@
 Graph steps (``load_graph``: the ``graph`` as read from graph.pt2):
 flatten-signature, bind-weights, align-weights, drop-masks, schedule-hybrid, drop-metadata-asserts,
 drop-noop-ops, call-directly. Session steps (``Session``: its ``prefill`` and ``decode`` forms of that graph):
-dense-prefill, compute-dtype, kv-arenas, last-logits, opaque-calls, inline-trivial, native-calls, decode-attention.
+dense-prefill, compute-dtype, kv-arenas, last-logits, opaque-calls, inline-trivial, native-calls, native-glue, decode-attention.
 Which of them a load runs: ``load_pipeline.graph_steps`` / ``session_steps``.
 """
 from __future__ import annotations
@@ -166,6 +166,18 @@ def _native_calls(state: LoadState) -> None:
         return
     state.decode = shared_copy(state.decode)  # the others, and batch_decode, keep the Python ops
     state.notes.update(native_reason="", native_calls=to_native(state.decode))
+
+
+@load_step("native-glue", ("decode",), "the decode graph's per-layer glue (RMSNorm, rotary, attention, empty FFN "
+           "parts) as single picompile_native C++ ops (notes glue_counts; glue_reason when none were)")
+def _native_glue(state: LoadState) -> None:
+    from picompile.runtime.native_glue import fuse_glue
+
+    assert state.decode is not None
+    if state.notes.get("native_reason") or state.decode is state.notes.get("batch_decode"):
+        state.notes["glue_reason"] = state.notes.get("native_reason") or "the decode graph is not native-calls' copy"
+        return
+    state.notes.update(glue_counts=fuse_glue(state.decode), glue_reason="")
 
 
 @load_step("decode-attention", ("decode",), "the decode graph's scaled_dot_product_attention as two matmuls "

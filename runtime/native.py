@@ -76,6 +76,19 @@ def _register_fakes() -> None:
                  thr: torch.Tensor, kernel: int) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], fc2.shape[0]), dtype=torch.bool)
 
+    @torch.library.register_fake(lib + "rms_norm")
+    def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        return torch.empty(torch.broadcast_shapes(x.shape, w.shape), dtype=x.dtype)
+
+    @torch.library.register_fake(lib + "rotary")
+    def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int) -> torch.Tensor:
+        return torch.empty(torch.broadcast_shapes(x.shape, cos.shape, sin.shape), dtype=x.dtype)
+
+    @torch.library.register_fake(lib + "grouped_attention")
+    def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                   scale: float | None) -> torch.Tensor:
+        return torch.empty_like(q)
+
 
 def _cpu_kernel(key: str) -> object | None:
     """The loaded kernel ``key`` when it is a CPU one (the C++ ops call only those), else None."""

@@ -5,7 +5,7 @@ import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor, fx
@@ -78,8 +78,16 @@ class Session:
 
             self.step_fn = compile_step(decode_run, prefill_run)  # dispatches on the token count itself
             self.step_fn.attention_rewrites = notes.get("attention_rewrites", 0)  # type: ignore[attr-defined]
+            self.exec_reason = "compile=True"
         else:
-            self.step_fn = lambda ids, *past: (prefill_run if ids.shape[-1] > 1 else decode_run)(ids, *past)
+            decode_fn: Callable[..., Any] = decode_run
+            self.exec_reason = "native=False" if not native else "no native decode graph"
+            if native and notes.get("native_calls"):  # every node an operator: the graph run from C++
+                from picompile.runtime.graph_exec import exec_step
+
+                program, self.exec_reason = exec_step(decode_run)
+                decode_fn = program if program is not None else decode_run
+            self.step_fn = lambda ids, *past: (prefill_run if ids.shape[-1] > 1 else decode_fn)(ids, *past)
         self.native_calls: int = int(notes.get("native_calls", 0))  # decode's kernel calls made C++ ops (native.py)
         self.native_reason: str = notes.get("native_reason", "native=False")  # why none were ("" when some were)
         self.step_fn.native_calls = self.native_calls  # type: ignore[attr-defined]

@@ -51,7 +51,7 @@ def split_artifact(checkpoints: dict, tmp_path_factory: pytest.TempPathFactory) 
      GRAPH + ["schedule-hybrid", *RUN, "dense-prefill", "kv-arenas", "last-logits", "decode-attention"]),
     (LoadOptions(dense=True, aligned=True, kernels=True, direct=True),
      GRAPH + ["align-weights", "drop-masks", *RUN, "dense-prefill", "kv-arenas", "last-logits", "decode-attention",
-              "native-calls"]),
+              "native-calls", "native-glue"]),
     (LoadOptions(direct=True, prefill_dtype="bfloat16", kv_in_place=False),
      GRAPH + RUN + ["dense-prefill", "compute-dtype", "last-logits", "decode-attention"]),
     (LoadOptions(last_logits=False, matmul_attention=False, aligned=True, kernels=True, native=False),

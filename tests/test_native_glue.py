@@ -1,0 +1,105 @@
+"""runtime/native_glue.py alone on tiny exported graphs: RMSNorm, rotary and grouped attention become one
+picompile_native op each, computing the same floats bit for bit; other patterns stay as they are."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from picompile.runtime import native
+from picompile.runtime.decode_attention import grouped_attention
+from picompile.runtime.native_glue import fuse_glue, share_repeats
+
+
+@pytest.fixture(scope="module", autouse=True)
+def library() -> None:
+    if native.load_library():
+        pytest.skip(f"picompile_native could not be built here: {native.load_library()}")
+
+
+class Block(torch.nn.Module):
+    """A Llama attention's input, as HF writes it: RMSNorm, q / k heads, rotate-half rotary."""
+
+    def __init__(self, d: int = 64, head: int = 16, kv_heads: int = 2) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(d))
+        self.head, self.kv_heads = head, kv_heads
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        n = self.w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))  # [1, 1, d]
+        q = n.view(1, 1, -1, self.head).transpose(1, 2)  # [1, hq, 1, head]
+        half = self.head // 2
+        q = q * cos.unsqueeze(1) + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin.unsqueeze(1)
+        k = k * cos.unsqueeze(1) + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin.unsqueeze(1)
+        return q @ k.transpose(-1, -2)  # [1, hq, 1, 1]
+
+
+def _inputs(seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, 1, 64, generator=g)
+    cos, sin = torch.randn(1, 1, 16, generator=g), torch.randn(1, 1, 16, generator=g)
+    return x, cos, sin, torch.randn(1, 4, 1, 16, generator=g)
+
+
+def _calls(gm: torch.fx.GraphModule) -> list[str]:
+    return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def test_fuse_glue_makes_one_op_per_pattern_and_the_same_floats() -> None:
+    gm = torch.export.export(Block(), _inputs()).module()
+    with torch.inference_mode():
+        want = gm(*_inputs(1))
+    before = len(_calls(gm))
+    counts = fuse_glue(gm)
+    calls = _calls(gm)
+    assert (counts.rms_norms, counts.rotaries) == (1, 2)
+    assert calls.count("picompile_native.rms_norm.default") == 1 and calls.count("picompile_native.rotary.default") == 2
+    assert not any(t.startswith(("aten.rsqrt", "aten.neg", "aten.pow")) for t in calls)  # the patterns' ops are gone
+    assert len(calls) < before - 10
+    with torch.inference_mode():
+        got = gm(*_inputs(1))
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("mask", ["bool", "float", None])
+def test_attention_op_is_the_python_one(mask: str | None) -> None:
+    g = torch.Generator().manual_seed(2)
+    q, k, v = torch.randn(1, 8, 1, 16, generator=g), torch.randn(1, 2, 5, 16, generator=g), torch.randn(1, 2, 5, 16, generator=g)
+    m = {"bool": torch.rand(1, 1, 1, 5, generator=g) < 0.7, "float": torch.randn(1, 1, 1, 5, generator=g), None: None}[mask]
+    if mask == "bool":
+        m[..., 0] = True
+    graph = torch.fx.Graph()
+    nodes = [graph.placeholder(n) for n in ("q", "k", "v", "m")]
+    graph.output(graph.call_function(grouped_attention, (*nodes, None if mask == "float" else 0.3)))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    want = gm(q, k, v, m)
+    assert fuse_glue(gm).attentions == 1 and _calls(gm) == ["picompile_native.grouped_attention.default"]
+    assert torch.equal(gm(q, k, v, m), want)
+
+
+class Other(torch.nn.Module):
+    """Near misses: a norm over the first dimension, a rotation by a third of the head."""
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        n = w * (x * torch.rsqrt(x.pow(2).mean(0, keepdim=True) + 1e-5))
+        return n * w + torch.cat((-n[..., 4:], n[..., :4]), dim=-1) * w
+
+
+def test_fuse_glue_leaves_other_patterns() -> None:
+    x, w = torch.randn(3, 12), torch.randn(12)
+    gm = torch.export.export(Other(), (x, w)).module()
+    before = _calls(gm)
+    assert fuse_glue(gm).total() == 0 and _calls(gm) == before
+
+
+def test_share_repeats_keeps_the_first() -> None:
+    class Twice(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.unsqueeze(1) + x.unsqueeze(1) * 2
+
+    gm = torch.export.export(Twice(), (torch.randn(4),)).module()
+    x = torch.randn(4)
+    want = gm(x)
+    assert share_repeats(gm) == 1
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    assert _calls(gm).count("aten.unsqueeze.default") == 1 and torch.equal(gm(x), want)
