@@ -2,7 +2,8 @@
 
 tvm_linear / tvm_sparse_ffn / tvm_predict (Python bodies: mask → row indices, output allocation, the call
 through tvm_ffi's Python binding) → ``picompile_native::gemv`` / ``sparse_ffn`` / ``predict`` doing the same
-in C++ (int8 / int4 weights: ``qgemv`` / ``qsparse_ffn``, each weight's quants then its float16 scales) and calling the kernel through the TVM-FFI C ABI, by the loaded function's handle registered under a stable id. With inductor's
+in C++ (int8 / int4 weights: ``qgemv`` / ``qsparse_ffn``, each weight's quants then its float16 scales; an
+input-sparse linear with an ``input_sparse`` kernel: ``input_sparse``) and calling the kernel through the TVM-FFI C ABI, by the loaded function's handle registered under a stable id. With inductor's
 C++ wrapper the compiled decode step then calls its kernels without entering Python.
 
 Eager and compiled decode steps both take them (load step ``native-calls``): eager, each kernel call is then
@@ -25,6 +26,7 @@ from picompile.ir.schema import args_of, node_op
 from picompile.kernels.table import find_kernel, threshold_tensor
 
 SOURCE = Path(__file__).with_name("native_ops.cpp")
+KERNEL_OPS = ("tvm_linear", "tvm_sparse_ffn", "tvm_predict", "input_sparse_linear")  # the ops with a C++ form
 _STATE: dict[str, str] = {}  # "error": why the library is unavailable ("" once loaded)
 
 
@@ -75,6 +77,11 @@ def _register_fakes() -> None:
     def _predict(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, offset: torch.Tensor | None,
                  thr: torch.Tensor, kernel: int) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], fc2.shape[0]), dtype=torch.bool)
+
+    @torch.library.register_fake(lib + "input_sparse")
+    def _input_sparse(x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None, mask: torch.Tensor | None,
+                      kernel: int) -> torch.Tensor:
+        return x.new_empty((*x.shape[:-1], w_t.shape[1]))
 
     @torch.library.register_fake(lib + "rms_norm")
     def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -129,9 +136,13 @@ def _native_call(gm: fx.GraphModule, node: fx.Node, thresholds: _Thresholds) -> 
     """The picompile_native (target, args) a kernel call node becomes, or None (not a loaded CPU kernel call)."""
     native = torch.ops.picompile_native
     op = node_op(node)
-    if op not in ("tvm_linear", "tvm_sparse_ffn", "tvm_predict"):
+    if op not in KERNEL_OPS:
         return None
     a = args_of(node)
+    if op == "input_sparse_linear":  # kind "input_sparse" (an older artifact's "down" kernel: the Python op)
+        kern = _cpu_kernel(str(a["kernel"])) if a["kernel"] else None
+        kid = _kernel_id(str(a["kernel"])) if kern is not None and kern.spec.kind == "input_sparse" else None  # type: ignore[attr-defined]
+        return None if kid is None else (native.input_sparse.default, (a["x"], a["w_t"], a["b"], a["mask"], kid))
     if op == "tvm_linear":
         kid = _kernel_id(str(a["kernel"]))
         if kid is None:
@@ -159,9 +170,10 @@ def _native_call(gm: fx.GraphModule, node: fx.Node, thresholds: _Thresholds) -> 
 def has_native_calls(gm: fx.GraphModule) -> bool:
     """Whether ``gm`` calls a loaded CPU kernel that ``to_native`` would rewrite (else the library is not needed)."""
     for node in gm.graph.nodes:
-        if node_op(node) in ("tvm_linear", "tvm_sparse_ffn", "tvm_predict"):
+        if node_op(node) in KERNEL_OPS:
             a = args_of(node)
-            if _cpu_kernel(str(a.get("kernel", a.get("kernel1")))) is not None:
+            key = a.get("kernel", a.get("kernel1"))
+            if key and _cpu_kernel(str(key)) is not None:
                 return True
     return False
 

@@ -5,6 +5,7 @@
     mul cos, slice, slice, neg, cat, mul sin, add          → rotary(x, cos, sin, half)
     grouped_attention (Python: 11 aten calls)             → grouped_attention (C++)
     an FFN part without rows and its merge               → the other part (+ the down bias)
+    input_mask (a Python op: |x| > threshold)             → aten abs and gt
     the same unsqueeze / sym_size of the same input       → the first one, shared
 
 An eager decode step is a Python call per node: at one token each aten call costs a few µs of dispatch for
@@ -33,6 +34,7 @@ class GlueCounts:
     rotaries: int = 0
     attentions: int = 0
     empty_parts: int = 0
+    input_masks: int = 0
     shared: int = 0
 
     def total(self) -> int:
@@ -153,6 +155,24 @@ def fold_empty_parts(gm: fx.GraphModule) -> int:
     return count
 
 
+def inline_input_masks(gm: fx.GraphModule) -> int:
+    """``input_mask(x, threshold, …, thresholds)`` → ``abs(x) > thresholds`` (or ``> threshold``): the op's own
+    computation as two aten calls, which a C++ program runs (``graph_exec.py``); how many."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node_op(node) != "input_mask":
+            continue
+        a = args_of(node)
+        with gm.graph.inserting_before(node):
+            mag = gm.graph.call_function(aten.abs.default, (a["x"],))
+        if a.get("thresholds") is not None:
+            _replace(gm, node, aten.gt.Tensor, (mag, a["thresholds"]))
+        else:
+            _replace(gm, node, aten.gt.Scalar, (mag, float(a["threshold"])))
+        count += 1
+    return count
+
+
 SHARED = (aten.unsqueeze.default, aten.sym_size.int)  # pure, cheap to keep, repeated per layer on the same input
 
 
@@ -180,6 +200,7 @@ def fuse_glue(gm: fx.GraphModule) -> GlueCounts:
     native = torch.ops.picompile_native
     counts = GlueCounts()
     counts.empty_parts = fold_empty_parts(gm)
+    counts.input_masks = inline_input_masks(gm)
     counts.shared = share_repeats(gm)
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
@@ -198,4 +219,4 @@ def fuse_glue(gm: fx.GraphModule) -> GlueCounts:
     return counts
 
 
-__all__ = ["GlueCounts", "fold_empty_parts", "fuse_glue", "share_repeats"]
+__all__ = ["GlueCounts", "fold_empty_parts", "fuse_glue", "inline_input_masks", "share_repeats"]

@@ -190,6 +190,28 @@ at::Tensor predict(const at::Tensor& x, const at::Tensor& fc1, const at::Tensor&
   return mask.view(at::kBool).view(out_shape(x, fc2.size(0)));
 }
 
+at::Tensor all_channels(int64_t n) {  // int8 [n]: every input channel read, made once per n
+  static std::map<int64_t, at::Tensor> cache;
+  static std::mutex lock;
+  std::lock_guard<std::mutex> guard(lock);
+  auto it = cache.find(n);
+  if (it == cache.end()) it = cache.emplace(n, at::ones({n}, at::TensorOptions().dtype(at::kChar))).first;
+  return it->second;
+}
+
+// an input-sparse linear (TEAL-style, kernel kind "input_sparse"): y = sum over the active input channels i of
+// x_i * w_t[i] (+ b); the kernel reads the int8 mask itself
+at::Tensor input_sparse(const at::Tensor& x, const at::Tensor& w_t, const std::optional<at::Tensor>& b,
+                        const std::optional<at::Tensor>& mask, int64_t kernel) {
+  const int64_t d_in = x.size(-1);
+  TORCH_CHECK(x.numel() == d_in, "picompile_native::input_sparse takes one token");
+  at::Tensor y = at::empty({w_t.size(1)}, x.options());  // [d_out]
+  at::Tensor m = mask.has_value() ? mask->reshape({d_in}).contiguous().view(at::kChar) : all_channels(d_in);
+  call(kernel, {aligned(x.reshape({-1})), m, w_t, y});
+  if (b.has_value()) y.add_(*b);
+  return y.view(out_shape(x, w_t.size(1)));
+}
+
 // -- the glue between the kernels (runtime/native_glue.py): the same aten ops, called from C++ -----------------
 // Each is the exact op sequence the graph ran (so the same floats, bit for bit), dispatched from C++: one
 // Python call for what took five to eleven.
@@ -231,6 +253,7 @@ TORCH_LIBRARY(picompile_native, m) {
   m.def("qgemv(Tensor x, Tensor w, Tensor s, Tensor? b, int kernel) -> Tensor");
   m.def("qsparse_ffn(Tensor x, Tensor w_up, Tensor s_up, Tensor? b_up, Tensor? w_gate, Tensor? s_gate, Tensor w_down_t, Tensor s_down, Tensor? mask, int kernel) -> Tensor");
   m.def("predict(Tensor x, Tensor fc1, Tensor fc2, Tensor? offset, Tensor thr, int kernel) -> Tensor");
+  m.def("input_sparse(Tensor x, Tensor w_t, Tensor? b, Tensor? mask, int kernel) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("rotary(Tensor x, Tensor cos, Tensor sin, int half) -> Tensor");
   m.def("grouped_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float? scale) -> Tensor");
@@ -242,6 +265,7 @@ TORCH_LIBRARY_IMPL(picompile_native, CPU, m) {
   m.impl("qgemv", &qgemv);
   m.impl("qsparse_ffn", &qsparse_ffn);
   m.impl("predict", &predict);
+  m.impl("input_sparse", &input_sparse);
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary", &rotary);
   m.impl("grouped_attention", &grouped_attention);

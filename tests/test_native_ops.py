@@ -97,7 +97,7 @@ def test_eager_session_decodes_through_native_ops(session: picompile.Session) ->
     assert session.exec_reason == ""  # and the decode graph runs as a C++ program (runtime/graph_exec.py)
     decode = next(g for g in session.step_graphs if g is not session.prefill_graph and g is not session.decode_graph)
     targets = [str(n.target) for n in decode.graph.nodes if n.op == "call_function"]
-    kernel_ops = ("gemv", "sparse_ffn", "qgemv", "qsparse_ffn", "predict")
+    kernel_ops = ("gemv", "sparse_ffn", "qgemv", "qsparse_ffn", "predict", "input_sparse")
     assert sum(t.startswith("picompile_native.") and t.split(".")[1] in kernel_ops for t in targets) == session.native_calls
     left = [n for n in decode.graph.nodes if n.op == "call_function" and any(is_picompile_op(n.target, op) for op in LOWERED)]
     assert not left  # the empty FFN parts folded away with their merges (native-glue)

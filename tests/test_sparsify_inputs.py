@@ -306,3 +306,31 @@ def test_loss_curves_are_cached_for_the_same_groups(tmp_path: Path) -> None:
     assert isp.cached_curves(tmp_path, key, names) == curves
     assert isp.cached_curves(tmp_path, key, ["0.qkv", "1.o"]) is None  # other groups: not these curves
     assert isp.curves_key("fp", "sha", 4096, "all", "weighted", 512, 512, "float32", 0, False) != key
+
+
+def test_input_sparse_decode_runs_as_native_ops(silu_ckpt: Path, tmp_path: Path) -> None:
+    """The eager decode step of an input-sparse artifact calls its kernels as C++ ops (``input_sparse``), its masks
+    as aten ops, and runs as a C++ program (runtime/graph_exec.py): the same tokens and logits, bit for bit, as
+    the Python ops."""
+    from picompile.runtime import native
+
+    if native.load_library():
+        pytest.skip(f"picompile_native could not be built here: {native.load_library()}")
+    art = picompile.build(silu_ckpt, output=tmp_path / "n.pic", predictor="none", act_sparsity=0.3,
+                          input_sparsity="all", calibration_tokens=256, input_loss_tokens=64,
+                          input_allocation="uniform")
+    s = picompile.load(art)
+    decode = next(g for g in s.step_graphs if g is not s.prefill_graph and g is not s.decode_graph)
+    targets = [str(n.target) for n in decode.graph.nodes if n.op == "call_function"]
+    assert "picompile_native.input_sparse.default" in targets and "aten.gt.Scalar" in targets
+    assert not any("input_mask" in t or "input_sparse_linear" in t for t in targets)
+    assert s.exec_reason == ""
+    got = s.generate(IDS, max_new_tokens=6, stop_at_eos=False)
+    got_logits = s.last_logits.clone()
+    step_fn, python = s.step_fn, s.decode_graph  # the same step with the Python ops
+    s.step_fn = lambda ids, *past: (s.prefill_graph if ids.shape[-1] > 1 else python)(ids, *past)
+    try:
+        want = s.generate(IDS, max_new_tokens=6, stop_at_eos=False)
+    finally:
+        s.step_fn = step_fn
+    assert got == want and torch.equal(got_logits, s.last_logits)
