@@ -172,6 +172,10 @@ POSITIONAL_ALLOWED: dict[str, str] = {
                                   "picompile op exists, through helpers (_other, match_activation)",
     "passes/fold_kv_repeat.py": "follows aten sdpa(reshape(expand(unsqueeze(k)))) chains after a negated guard",
     "runtime/kv_cache.py": "reads aten.cat nodes (`_CAT`) and their list of parts",
+    "runtime/graph_exec.py": "runs any torch operator node by its own schema (written arguments, views, "
+                             "getitem's index, the output tuple); it matches no picompile op",
+    "runtime/native_glue.py": "matches the aten RMSNorm (pow/mean/add/rsqrt/mul) and rotate-half (slice/neg/cat) "
+                              "subgraphs; picompile ops are read with args_of",
 }
 POSITIONAL_SCANNED: tuple[str, ...] = ("passes", "runtime", "picompile/tools", "picompile/formats")
 
