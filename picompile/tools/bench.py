@@ -32,10 +32,12 @@ reads in full (attention, norms, predictors, lm_head), one embedding row, and of
 the neurons computed: the mask counts measured on a separate decode of the same prompt (fallback: the
 manifest's per-layer ``predicted_active``), plus the KV cache read at the mean decode position. The
 bound is the read bandwidth divided by it: ``buf.sum()`` over a buffer much larger than the caches
-(``read_mib``), bytes / time, measured once per round (median); a decode step reads and hardly writes. The
-copy bandwidth (``dst.copy_(src)``, read + write, the convention of ``benchmarks/kernel_bandwidth.py``) is reported
-beside it. llama.cpp's bytes per token are its GGUF's, dense (:func:`picompile.tools.llama_bench.gguf_bytes_per_token`),
-over the same read bandwidth.
+(``read_mib``), bytes / time; a decode step reads and hardly writes. The bandwidth a shared machine gives moves
+between ~35 and ~65 GB/s within minutes on the 2-core VMs, so each engine's bound uses the read bandwidth
+sampled just before and just after each of its own timed runs (median over rounds), not one figure for the
+run. The copy bandwidth (``dst.copy_(src)``, read + write, the convention of ``benchmarks/kernel_bandwidth.py``)
+is reported beside it, once per round. llama.cpp's bytes per token are its GGUF's, dense
+(:func:`picompile.tools.llama_bench.gguf_bytes_per_token`), over the read bandwidth around llama-bench's runs.
 
 The engines are :mod:`picompile.tools.engines`; the byte accounting :mod:`picompile.tools.traffic`.
 """
@@ -374,10 +376,16 @@ def _peer_info(lineup: Lineup) -> dict[str, Any]:
 
 @dataclass
 class Bandwidth:
-    """Samples (bytes/s), one per round: read only (the bound's) and copy (read + write)."""
+    """Samples (bytes/s): read only and copy (read + write), one per round; and per engine, the read bandwidth
+    around each of its timed runs (the mean of one sample just before and one just after), the bound's."""
 
     read: list[float]
     copy: list[float]
+    around: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+
+    def of(self, engine: str) -> float:
+        """The median read bandwidth around ``engine``'s runs (bytes/s), else the rounds' median."""
+        return statistics.median(self.around.get(engine) or self.read)
 
 
 def read_bandwidth(buf: torch.Tensor, tries: int = 3) -> float:
@@ -417,7 +425,10 @@ def _rounds(engines: list[Engine], prompt: list[int], opts: BenchOptions, emit: 
     for r in range(opts.repeats):
         emit(f"round {r + 1}/{opts.repeats}")
         for eng in list(engines if r % 2 == 0 else engines[::-1]):
+            before = read_bandwidth(buf, tries=2)
             run(eng, opts.tokens)
+            if eng in engines:  # a failed optional engine left the lineup
+                bandwidth.around.setdefault(eng.name, []).append((before + read_bandwidth(buf, tries=2)) / 2)
         bandwidth.read.append(read_bandwidth(buf))
         bandwidth.copy.append(copy_bandwidth(src, dst))
     del src, dst, buf
@@ -457,7 +468,7 @@ def _result(artifact: str | Path, opts: BenchOptions, lineup: Lineup, rates: dic
         "prefill_tokens_per_s": pf,
         "dense_prefill_tokens_per_s": dpf,
         "prefill_speedup": _ratio(pf, dpf),
-        **_bytes_fields(traffic, statistics.median(bandwidth.read)),
+        **_bytes_fields(traffic, bandwidth.of(engines[0].name)),
         "copy_bandwidth_gbs": statistics.median(bandwidth.copy) / 1e9,
         "engines": {eng.name: _engine_row(eng, rates[eng.name], opts, dpf, ddc) for eng in engines},
         "best_decode_speedup": min(pytorch.decode_s) / min(engines[0].decode_s) if pytorch else None,
@@ -473,6 +484,7 @@ def _result(artifact: str | Path, opts: BenchOptions, lineup: Lineup, rates: dic
         "compiled": opts.compile,
         "kernels": bool(manifest.sections.get("kernels")),
         "bandwidth_samples_gbs": [b / 1e9 for b in bandwidth.read],
+        "engine_bandwidth_gbs": {eng.name: bandwidth.of(eng.name) / 1e9 for eng in engines},
         "copy_bandwidth_samples_gbs": [b / 1e9 for b in bandwidth.copy],
         "load_average": [load_before, os.getloadavg()[0]],
         "target": manifest.target.get("name"),
@@ -556,13 +568,14 @@ def _with_llama_cpp(result: dict[str, Any], opts: BenchOptions, lineup: Lineup, 
     if "llama-bench" in rates and lineup.gguf is not None:
         lpf, ldc = rates["llama-bench"]
         peer = gguf_bytes_per_token(lineup.gguf, (opts.tokens - 1) / 2)  # tg from an empty context (depth 0)
-        bound = result["bandwidth_gbs"] * 1e9 / peer["total"]
+        bw = result["engine_bandwidth_gbs"].get("llama-bench", result["bandwidth_gbs"])  # around its own runs
+        bound = bw * 1e9 / peer["total"]
         result.update({
             "llama_cpp_prefill_tokens_per_s": lpf, "llama_cpp_decode_tokens_per_s": ldc,
             "prefill_vs_llama_cpp": pf / lpf, "decode_vs_llama_cpp": dc / ldc,
             "llama_cpp_gguf_type": lineup.gguf_type,
             "llama_cpp_bytes_per_token": peer["total"], "llama_cpp_kv_bytes_per_token": peer["kv"],
-            "llama_cpp_bound_tokens_per_s": bound, "llama_cpp_bound_share": ldc / bound,
+            "llama_cpp_bandwidth_gbs": bw, "llama_cpp_bound_tokens_per_s": bound, "llama_cpp_bound_share": ldc / bound,
         })
     if lineup.text_peer is not None:
         emit("llama-cpp-python: greedy tokens")

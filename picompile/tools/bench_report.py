@@ -84,11 +84,13 @@ def _bytes_note(result: dict[str, Any]) -> str:
 
 def _bound_note(result: dict[str, Any]) -> str:
     copy = f" (copy {result['copy_bandwidth_gbs']:.2f} GB/s, read + write)" if "copy_bandwidth_gbs" in result else ""
-    line = (f"read bandwidth {result['bandwidth_gbs']:.2f} GB/s{copy} → bound {result['bound_tokens_per_s']:.2f} tok/s "
+    line = (f"read bandwidth {result['bandwidth_gbs']:.2f} GB/s around picompile's runs{copy} → bound {result['bound_tokens_per_s']:.2f} tok/s "
             f"(dense bound {result['dense_bound_tokens_per_s']:.2f}); picompile decode reaches "
             f"{result['decode_tokens_per_s'] / result['bound_tokens_per_s']:.0%} of its bound")
     if "llama_cpp_bound_tokens_per_s" in result:
-        line += (f"; llama.cpp reads {_gb(result['llama_cpp_bytes_per_token'])}/token (its GGUF, dense) → bound "
+        line += (f"; llama.cpp reads {_gb(result['llama_cpp_bytes_per_token'])}/token (its GGUF, dense), "
+                 f"read bandwidth {result.get('llama_cpp_bandwidth_gbs', result['bandwidth_gbs']):.2f} GB/s "
+                 f"around its runs → bound "
                  f"{result['llama_cpp_bound_tokens_per_s']:.2f} tok/s, its tg reaches "
                  f"{result['llama_cpp_bound_share']:.0%}")
     return line
