@@ -384,8 +384,8 @@ class Bandwidth:
     around: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
     def of(self, engine: str) -> float:
-        """The median read bandwidth around ``engine``'s runs (bytes/s), else the rounds' median."""
-        return statistics.median(self.around.get(engine) or self.read)
+        """The median read bandwidth around ``engine``'s runs (bytes/s; every engine left ran each round)."""
+        return statistics.median(self.around[engine])
 
 
 def read_bandwidth(buf: torch.Tensor, tries: int = 3) -> float:
@@ -458,6 +458,7 @@ def _result(artifact: str | Path, opts: BenchOptions, lineup: Lineup, rates: dic
     pf, dc = rates[engines[0].name]  # the compiled step when compile=True, else the eager one
     dpf, ddc = rates.get("pytorch", (None, None))  # None: the baseline was skipped (result["skipped"] says why)
     pytorch = next((e for e in engines if e.name == "pytorch"), None)
+    around = {eng.name: bandwidth.of(eng.name) for eng in engines}  # bytes/s, each engine's bound's
     return {
         "artifact": str(artifact),
         "source": lineup.source,
@@ -468,7 +469,7 @@ def _result(artifact: str | Path, opts: BenchOptions, lineup: Lineup, rates: dic
         "prefill_tokens_per_s": pf,
         "dense_prefill_tokens_per_s": dpf,
         "prefill_speedup": _ratio(pf, dpf),
-        **_bytes_fields(traffic, bandwidth.of(engines[0].name)),
+        **_bytes_fields(traffic, around[engines[0].name]),
         "copy_bandwidth_gbs": statistics.median(bandwidth.copy) / 1e9,
         "engines": {eng.name: _engine_row(eng, rates[eng.name], opts, dpf, ddc) for eng in engines},
         "best_decode_speedup": min(pytorch.decode_s) / min(engines[0].decode_s) if pytorch else None,
@@ -484,7 +485,7 @@ def _result(artifact: str | Path, opts: BenchOptions, lineup: Lineup, rates: dic
         "compiled": opts.compile,
         "kernels": bool(manifest.sections.get("kernels")),
         "bandwidth_samples_gbs": [b / 1e9 for b in bandwidth.read],
-        "engine_bandwidth_gbs": {eng.name: bandwidth.of(eng.name) / 1e9 for eng in engines},
+        "engine_bandwidth_gbs": {name: bw / 1e9 for name, bw in around.items()},
         "copy_bandwidth_samples_gbs": [b / 1e9 for b in bandwidth.copy],
         "load_average": [load_before, os.getloadavg()[0]],
         "target": manifest.target.get("name"),
@@ -568,7 +569,7 @@ def _with_llama_cpp(result: dict[str, Any], opts: BenchOptions, lineup: Lineup, 
     if "llama-bench" in rates and lineup.gguf is not None:
         lpf, ldc = rates["llama-bench"]
         peer = gguf_bytes_per_token(lineup.gguf, (opts.tokens - 1) / 2)  # tg from an empty context (depth 0)
-        bw = result["engine_bandwidth_gbs"].get("llama-bench", result["bandwidth_gbs"])  # around its own runs
+        bw = result["engine_bandwidth_gbs"]["llama-bench"]  # around its own runs
         bound = bw * 1e9 / peer["total"]
         result.update({
             "llama_cpp_prefill_tokens_per_s": lpf, "llama_cpp_decode_tokens_per_s": ldc,

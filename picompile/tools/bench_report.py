@@ -89,7 +89,7 @@ def _bound_note(result: dict[str, Any]) -> str:
             f"{result['decode_tokens_per_s'] / result['bound_tokens_per_s']:.0%} of its bound")
     if "llama_cpp_bound_tokens_per_s" in result:
         line += (f"; llama.cpp reads {_gb(result['llama_cpp_bytes_per_token'])}/token (its GGUF, dense), "
-                 f"read bandwidth {result.get('llama_cpp_bandwidth_gbs', result['bandwidth_gbs']):.2f} GB/s "
+                 f"read bandwidth {result['llama_cpp_bandwidth_gbs']:.2f} GB/s "
                  f"around its runs → bound "
                  f"{result['llama_cpp_bound_tokens_per_s']:.2f} tok/s, its tg reaches "
                  f"{result['llama_cpp_bound_share']:.0%}")
