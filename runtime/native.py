@@ -42,7 +42,7 @@ def load_library() -> str:
         tag = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:10]
         load(name=f"picompile_native_{tag}", sources=[str(SOURCE)],
              extra_include_paths=[info.find_include_path(), info.find_dlpack_include_path()],
-             extra_cflags=["-O2"], extra_ldflags=[f"-L{lib_dir}", "-ltvm_ffi", f"-Wl,-rpath,{lib_dir}"],
+             extra_cflags=["-O3"], extra_ldflags=[f"-L{lib_dir}", "-ltvm_ffi", f"-Wl,-rpath,{lib_dir}"],
              is_python_module=False, verbose=False)
         _register_fakes()
         _STATE["error"] = ""

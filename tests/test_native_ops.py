@@ -91,7 +91,8 @@ def test_compiled_session_uses_native_ops(session: picompile.Session) -> None:
 def test_eager_session_decodes_through_native_ops(session: picompile.Session) -> None:
     """An eager load of a kernel artifact runs ``native-calls`` and ``native-glue`` last: its decode form calls the
     C++ ops, the form runtime/batch.py batches keeps the picompile ops, and greedy decoding gives the same tokens
-    and logits, bit for bit, as the Python ops."""
+    as the Python ops, and logits within 1e-4 (the kernel calls are the same floats; RMSNorm's and attention's
+    one-token loops sum in another order: tests/test_native_glue.py)."""
     assert session.load_steps[-2:] == ["native-calls", "native-glue"]
     assert session.native_calls > 0 and session.native_reason == ""
     assert session.exec_reason == ""  # and the decode graph runs as a C++ program (runtime/graph_exec.py)
@@ -113,7 +114,7 @@ def test_eager_session_decodes_through_native_ops(session: picompile.Session) ->
     finally:
         session.step_fn = step_fn
     assert got == want
-    torch.testing.assert_close(got_logits, session.last_logits, rtol=0, atol=0)
+    torch.testing.assert_close(got_logits, session.last_logits, rtol=1e-4, atol=1e-4)
 
 
 def test_unbuildable_library_leaves_python_ops(session: picompile.Session, monkeypatch: pytest.MonkeyPatch,
