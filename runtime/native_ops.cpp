@@ -311,17 +311,13 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 
 // -- attention_direct: one query position, AVX2 + FMA (both the AMX and the AVX-512 machines have them; another
 // CPU takes the aten ops). Per KV head: q·kᵀ with each block of 4 key rows read once for its g query heads,
-// softmax with a vectorized exp, then p·v with each block of 64 value rows read once for the g heads. KV heads are
-// split over torch's threads (the library is built with -fopenmp and runs on torch's own libgomp) from ~250 cached
-// tokens; below that one thread is as fast in a decode step (1B, AMD Zen 4, 32 heads of 64 over 4 KV heads, alone:
-// 12.5 µs at 64 tokens against 27.7 for the aten ops, 48 / 26 µs on one / two threads at 300, 159 against 203 µs at
-// 2,000 on two threads).
+// softmax with a vectorized exp, then p·v with each block of 64 value rows read once for the g heads. One thread:
+// it runs where that is faster than torch's matmuls on all threads (the extension is built without OpenMP) — up to
+// ~256 cached tokens for 32 heads of 64 (1B, AMD Zen 4: 17.5 against 31.7 µs at 100 tokens, 47 / 51 at 300, 92 /
+// 79 at 600 on two threads), at any length on one thread.
 #if defined(__x86_64__) && defined(__GNUC__)
 #define PI_HAVE_AVX2_PATH 1
 #define PI_AVX2 __attribute__((target("avx2,fma")))
-#ifndef PI_ATTENTION_GRAIN
-#define PI_ATTENTION_GRAIN (1 << 18)  // multiply-adds per thread: two threads from ~250 cached tokens (8 heads of 64 per KV head)
-#endif
 
 bool cpu_has_avx2_fma() {
   static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
@@ -466,7 +462,7 @@ at::Tensor grouped_attention(const at::Tensor& q, const at::Tensor& k, const at:
   if (s == 1 && length > 0 && hq == g * hkv && g <= 64 && e % 8 == 0 && q.dim() == 4 && k.dim() == 4 &&
       v.dim() == 4 && mask_ok && float_last_contiguous(q) && float_last_contiguous(k) && float_last_contiguous(v) &&
       k.size(0) == b && v.size(0) == b && v.size(1) == hkv && v.size(2) == length && k.size(3) == e &&
-      v.size(3) == e && cpu_has_avx2_fma()) {
+      v.size(3) == e && cpu_has_avx2_fma() && (at::get_num_threads() == 1 || hq * length * e <= (1 << 19))) {
     at::Tensor m;
     if (mask.has_value()) m = mask->expand({b, hq, s, length});  // strides 0 where it broadcasts
     at::Tensor out = at::empty({b, hq, s, e}, q.options());
@@ -477,19 +473,16 @@ at::Tensor grouped_attention(const at::Tensor& q, const at::Tensor& k, const at:
     const char* mp = m.defined() ? static_cast<const char*>(m.data_ptr()) : nullptr;
     const int64_t msize = m.defined() ? m.element_size() : 0;
     const bool mbool = m.defined() && m.scalar_type() == at::kBool;
-    const int64_t grain = std::max<int64_t>(1, PI_ATTENTION_GRAIN / std::max<int64_t>(1, g * length * e));
-    at::parallel_for(0, b * hkv, grain, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores(g * length);
-      std::vector<const void*> rows(g);
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t bi = i / hkv, kv = i % hkv;
-        for (int64_t h = 0; h < g && mp; ++h) rows[h] = mp + (bi * m.stride(0) + (kv * g + h) * m.stride(1)) * msize;
-        attend_group_avx2(qp + bi * q.stride(0) + kv * g * q.stride(1), q.stride(1), g,
-                          kp + bi * k.stride(0) + kv * k.stride(1), k.stride(2), vp + bi * v.stride(0) + kv * v.stride(1),
-                          v.stride(2), length, e, static_cast<float>(sc), mp ? rows.data() : nullptr,
-                          m.defined() ? m.stride(3) : 0, mbool, scores.data(), op + (bi * hq + kv * g) * e, e);
-      }
-    });
+    std::vector<float> scores(g * length);
+    std::vector<const void*> rows(g);
+    for (int64_t i = 0; i < b * hkv; ++i) {
+      const int64_t bi = i / hkv, kv = i % hkv;
+      for (int64_t h = 0; h < g && mp; ++h) rows[h] = mp + (bi * m.stride(0) + (kv * g + h) * m.stride(1)) * msize;
+      attend_group_avx2(qp + bi * q.stride(0) + kv * g * q.stride(1), q.stride(1), g,
+                        kp + bi * k.stride(0) + kv * k.stride(1), k.stride(2), vp + bi * v.stride(0) + kv * v.stride(1),
+                        v.stride(2), length, e, static_cast<float>(sc), mp ? rows.data() : nullptr,
+                        m.defined() ? m.stride(3) : 0, mbool, scores.data(), op + (bi * hq + kv * g) * e, e);
+    }
     return out;
   }
 #endif
