@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .spec import KERNEL_ABI_VERSION, KernelSpec, KernelSpecError, skips_inactive
+from .spec import KERNEL_ABI_VERSION, SCATTERED_ROW_COST, KernelSpec, KernelSpecError, skips_inactive
 
 _LAZY: dict[str, str] = {
     "build_kernel": "cache",
@@ -49,7 +49,7 @@ _LAZY: dict[str, str] = {
     "threshold_tensor": "table",
 }
 
-__all__ = ["KERNEL_ABI_VERSION", "KernelSpec", "KernelSpecError", "skips_inactive", *_LAZY]
+__all__ = ["KERNEL_ABI_VERSION", "SCATTERED_ROW_COST", "KernelSpec", "KernelSpecError", "skips_inactive", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

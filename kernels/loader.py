@@ -262,7 +262,8 @@ def _signature(spec: KernelSpec, batched: bool) -> list[_Arg]:
     """Argument list of the compiled function (PrimFunc order), with dtypes and symbolic shapes."""
     d, n = spec.d_model, spec.n_rows
     w = _TORCH_DTYPES.get(spec.weight_dtype, torch.float32)
-    if spec.kind == "predict":  # one token only (no batched variant)
+    if spec.kind == "predict":  # one token only (no batched variant); int8: plain int8, no scales
+        w = torch.int8 if spec.weight_dtype == "int8" else w
         return [_Arg("x", torch.float32, (d,)), _Arg("fc1", w, (spec.rank, d)), _Arg("fc2", w, (n, spec.rank)),
                 *([_Arg("offset", torch.float32, (n,))] if spec.has_bias else []),
                 _Arg("thr", torch.float32, (1,)), _Arg("mask", torch.int8, (n,))]

@@ -40,7 +40,7 @@ prefill's GEMMs, ``out[r] = bf16(w[r])`` (``w_up`` its quants / float16 array, `
 bfloat16 ``[rows, d_model]``); rows are symbolic, so ``n_rows`` is 1 (one kernel per format, width and block).
 
 Kind ``predict`` (CPU only) is a whole activation predictor in one call, for one token:
-``fc1`` ``[rank, d_model]``, ``fc2`` ``[n_rows, rank]`` (``weight_dtype``), optional ``offset`` ``[n_rows]``
+``fc1`` ``[rank, d_model]``, ``fc2`` ``[n_rows, rank]`` (``weight_dtype``: float32, float16 or int8 with no scales), optional ``offset`` ``[n_rows]``
 float32 (``has_bias``), ``thr`` float32 ``[1]``; it writes the int8 mask
 ``mask[j] = fc2[j] . act(fc1 x) + offset[j] > thr[0]``.
 """
@@ -75,6 +75,14 @@ def skips_inactive(kind: str, act: str, gate_bias: bool = False) -> bool:
     if kind == "ffn_gated":
         return act in ("relu", "drelu") and not gate_bias
     return act == "relu" and kind == "ffn_relu"
+
+
+# What a byte of a selected (scattered) FFN row costs a decode step against a byte of a predictor's rows, read in
+# order: on the 2-thread AMD Zen 4 machine kind the sparse FFN kernel reads its rows at ~21 GB/s, a plain gather of
+# random 1,152-byte rows at 17-21 GB/s, while the predictor and GEMV kernels stream ~35 (benchmarks/README.md,
+# "int8 predictors"). The predictors' rank choice weighs the rows it saves by it.
+SCATTERED_ROW_COST: float = 1.7
+
 
 def dot_lanes(length: int, weight_dtype: str) -> int:
     """Float32 accumulators of a CPU kernel's dot product over ``length`` elements of float weights: the largest
@@ -157,6 +165,9 @@ class KernelSpec:
                 raise KernelSpecError("kind 'predict' has a CPU (llvm) schedule only")
             if self.act not in ("relu", "none"):
                 raise KernelSpecError(f"kind 'predict' applies relu or none between fc1 and fc2, not {self.act!r}")
+            if self.weight_dtype not in ("float32", "float16", "int8"):
+                raise KernelSpecError(f"kind 'predict' takes float32, float16 or int8 (scales folded away) weights, "
+                                      f"not {self.weight_dtype!r}")
         elif self.rank:
             raise KernelSpecError(f"rank is for kind 'predict' only, got rank={self.rank} for {self.kind!r}")
         if self.kind == "input_sparse":  # kernels/input_sparse.py
@@ -179,8 +190,6 @@ class KernelSpec:
                 raise KernelSpecError(f"block must be one of {QUANT_BLOCKS}, got {self.block!r}")
             if self.d_model % self.block:
                 raise KernelSpecError(f"d_model {self.d_model} is not a whole number of {self.block}-element blocks")
-            if self.kind == "predict":
-                raise KernelSpecError("kind 'predict' takes float32/float16 weights, not a quantized format")
 
     # -- derived facts ---------------------------------------------------------------------------
     @property
@@ -194,8 +203,9 @@ class KernelSpec:
 
     @property
     def quantized(self) -> bool:
-        """int8 / int4 weights: each weight is a quants array followed by its float16 scales (``qformat.py``)."""
-        return self.weight_dtype in QUANT_DTYPES
+        """int8 / int4 weights: each weight is a quants array followed by its float16 scales (``qformat.py``).
+        Not kind ``predict``: its int8 weights have no scales (folded into the next matrix and the offset)."""
+        return self.weight_dtype in QUANT_DTYPES and self.kind != "predict"
 
     @property
     def gated(self) -> bool:

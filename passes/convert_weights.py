@@ -1,5 +1,6 @@
 """convert-weights: aten.linear(x, W) → picompile.linear(x, W', b[, s]), and the rows of sparse_ffn / ffn /
-oracle_mask → --weight-dtype; predict's fc1/fc2 → --predictor-dtype. float16: W' = W.half(). int8 / int4:
+oracle_mask → --weight-dtype; predict's fc1/fc2 → --predictor-dtype (int8: fc1, fc2 int8 with their per-row
+scales folded into the offset, threshold 0, ``sparsity.predictor.fold_int8``). float16: W' = W.half(). int8 / int4:
 W' the block quants and s their float16 scales (``picompile.kernels.qformat``; blocks of --quant-block along each
 stored row: a linear's input dimension, the neuron-major FFN rows' d_model, ffn's down projection's neurons);
 a weight whose rows are not whole blocks is stored float16 instead (``convert_weights.fallback`` names it);
@@ -23,6 +24,7 @@ from picompile.ir.patterns import WEIGHT_DTYPES as DTYPES
 from picompile.ir.schema import args_of, call_args, node_op, set_args
 from picompile.kernels.qformat import QFormat
 from picompile.passes.registry import register_pass
+from picompile.sparsity.predictor import fold_int8
 
 aten = torch.ops.aten
 # picompile op -> the weight tensors it reads in the artifact's weight dtype, by argument name
@@ -126,6 +128,22 @@ def _narrow_linear(gm: fx.GraphModule, node: fx.Node, conv: _Converter | _Quanti
     return None
 
 
+def _fold_predictor(gm: fx.GraphModule, node: fx.Node) -> tuple[int, int]:
+    """predict(x, fc1, fc2, threshold, offset) rounded to int8 rows (train-predictors) → predict(x, q1, q2, 0,
+    offset'): int8 weights, no scales (``fold_int8``); returns (fc1 and fc2 bytes before, after)."""
+    a = args_of(node)
+    fc1, fc2 = get_tensor(gm, a["fc1"]), get_tensor(gm, a["fc2"])
+    offset = None if a["offset"] is None else get_tensor(gm, a["offset"])
+    try:
+        q1, q2, shifted, thr = fold_int8(fc1, fc2, offset, float(a["threshold"]))
+    except ValueError as e:
+        raise PassError(f"convert-weights: layer {a['layer']} predictor: {e}") from None
+    name = f"predictor{a['layer']}"
+    set_args(node, fc1=add_buffer(gm, f"{name}_fc1_int8", q1, node), fc2=add_buffer(gm, f"{name}_fc2_int8", q2, node),
+             offset=add_buffer(gm, f"{name}_offset_folded", shifted, node), threshold=thr)
+    return (fc1.numel() + fc2.numel()) * fc1.element_size(), fc1.numel() + fc2.numel()
+
+
 def _narrow_args(node: fx.Node, names: tuple[str, ...], convert: _Converter) -> None:
     """The weight arguments ``names`` of a picompile op node, each read through its narrowed copy."""
     args = args_of(node)
@@ -157,8 +175,10 @@ def convert_weights(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
     dtype = torch.float16 if quantized else _dtype(name, "weight dtype")
     conv = _Converter(gm, dtype)  # a no-op for float32 tensors when dtype is float32
     quant = _Quantizer(gm, fmt, conv) if quantized else None
-    pconv = _Converter(gm, _dtype(ctx.config.predictor_dtype, "predictor dtype"))
-    linears = 0
+    pname = ctx.config.predictor_storage()
+    fold = pname == "int8"
+    pconv = _Converter(gm, torch.float32 if fold else _dtype(pname, "predictor dtype"))
+    linears = folded = 0
     why_kept: list[str] = []
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
@@ -169,20 +189,25 @@ def convert_weights(gm: fx.GraphModule, ctx: BuildContext) -> fx.GraphModule:
                 linears += 1
             else:
                 why_kept.append(why)
-        elif (op := node_op(node)) == "predict":
+        elif (op := node_op(node)) == "predict" and fold:
+            folded += 1
+            before, after = _fold_predictor(gm, node)
+            pconv.bytes_before += before
+            pconv.bytes_after += after
+        elif op == "predict":
             _narrow_args(node, PREDICTOR_ARGS, pconv)
         elif op in WEIGHT_ARGS:
             if quant is not None and op not in FLOAT_IN_QUANT:
                 _quantize_args(node, op, quant)
             else:
                 _narrow_args(node, WEIGHT_ARGS[op], conv)
-    if conv.count or pconv.count or linears or (quant is not None and quant.count):
+    if conv.count or pconv.count or folded or linears or (quant is not None and quant.count):
         drop_unused_weights(gm)  # the float32 originals no longer read (an embedding keeps its own)
         gm.recompile()
     q_count, q_before, q_after = (quant.count, quant.bytes_before, quant.bytes_after) if quant else (0, 0, 0)
     info: dict[str, Any] = {
-        "dtype": name, "predictor_dtype": ctx.config.predictor_dtype,
-        "converted": conv.count + pconv.count + q_count, "linear_nodes": linears,
+        "dtype": name, "predictor_dtype": pname,
+        "converted": conv.count + pconv.count + 2 * folded + q_count, "linear_nodes": linears,
         "bytes_before": conv.bytes_before + pconv.bytes_before + q_before,
         "bytes_after": conv.bytes_after + pconv.bytes_after + q_after,
         "kept": why_kept,

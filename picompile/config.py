@@ -14,7 +14,7 @@ RELU_RECALL: float = 0.95
 DENSE_RECALL: float = 0.99
 ActCriterion = Literal["gate", "product"]
 WeightDType = Literal["float32", "float16", "int8", "int4"]  # int8/int4: picompile.kernels.qformat
-PredictorDType = Literal["float32", "float16"]
+PredictorDType = Literal["auto", "float32", "float16", "int8"]
 InputSparsity = Literal["off", "attention", "all"]  # sparsify-inputs: which projections get input thresholds
 InputCriterion = Literal["magnitude", "weighted"]  # sparsify-inputs: keep channel i by |x_i| or |x_i|·‖W[:, i]‖₂
 CalibrationSource = Literal["auto", "sampled", "builtin"]  # without --calibration: text sampled from the model or not
@@ -79,8 +79,9 @@ class BuildConfig:
     predictor_epochs: int = 20  # mlp predictors only
     weight_dtype: WeightDType = "float32"  # linear and FFN weights in the artifact (pass convert-weights)
     quant_block: int = 32  # int8/int4: elements per float16 scale (picompile.kernels.qformat.BLOCKS)
-    predictor_dtype: PredictorDType = "float16"  # trained predictors' fc1/fc2 (an approximation already: the threshold
-    # is tuned on the rounded weights); float16 halves the bytes a float32 build's predictors cost per token
+    predictor_dtype: PredictorDType = "auto"  # trained predictors' fc1/fc2 (an approximation already: the threshold is
+    # tuned on the rounded weights); auto: int8 (per-row scales folded away) in int8/int4 builds, else float16
+    # (``predictor_storage``)
     placement_batch: int = 64  # neurons per placement decision (PowerInfer: 64 in the paper, 256 in code)
     min_layer_neurons: int = 0  # a layer using the GPU holds at least this many hot neurons (0 = off)
     kernel_cache: Path = field(default_factory=kernel_cache_dir)  # compiled TVM kernels
@@ -90,6 +91,14 @@ class BuildConfig:
     dump_ir: Path | None = None  # one readable file per pass
     progress: bool = True
     max_memory_gib: float | None = None  # the build's memory budget (None: what the machine has available now)
+
+    def predictor_storage(self) -> str:
+        """The dtype the predictors' fc1/fc2 are stored in: ``predictor_dtype``, where ``auto`` is int8 in an
+        int8/int4 build (a selected int4 row is cheap in bytes but slow to gather, so the bytes a predictor saves buy
+        a higher rank that selects fewer rows) and float16 otherwise."""
+        if self.predictor_dtype != "auto":
+            return self.predictor_dtype
+        return "int8" if self.weight_dtype in ("int8", "int4") else "float16"
 
     def recall_for(self, all_relu: bool) -> float:
         """The recall target predictors are tuned to: the option, else the default for this kind of model."""
@@ -106,7 +115,8 @@ class BuildConfig:
             (self.weight_dtype in ("float32", "float16", "int8", "int4"), "--weight-dtype must be float32, float16, int8 "
              "or int4", self.weight_dtype),
             (self.quant_block in (32, 64, 128, 256), "--quant-block must be 32, 64, 128 or 256", self.quant_block),
-            (self.predictor_dtype in ("float32", "float16"), "--predictor-dtype must be float32 or float16",
+            (self.predictor_dtype in ("auto", "float32", "float16", "int8"),
+             "--predictor-dtype must be auto, float32, float16 or int8",
              self.predictor_dtype),
             (self.act_criterion in ("gate", "product"), "--act-criterion must be gate or product", self.act_criterion),
             (self.sparsity_allocation in ("greedy", "uniform"), "--sparsity-allocation must be greedy or uniform",

@@ -155,8 +155,8 @@ def test_bad_predictor_kind_writes_nothing(checkpoints: dict, tmp_path: Path) ->
 
 def test_bad_predictor_dtype_writes_nothing(checkpoints: dict, tmp_path: Path) -> None:
     out = tmp_path / "p.pic"
-    with pytest.raises(picompile.errors.PicompileError, match="--predictor-dtype must be float32 or float16"):
-        picompile.build(checkpoints[("llama", "relu")], output=out, predictor_dtype="int8", emit=lambda s: None)
+    with pytest.raises(picompile.errors.PicompileError, match="--predictor-dtype must be auto, float32, float16 or int8"):
+        picompile.build(checkpoints[("llama", "relu")], output=out, predictor_dtype="int4", emit=lambda s: None)
     assert not out.exists() and leftovers(tmp_path) == []
 
 

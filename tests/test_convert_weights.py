@@ -156,3 +156,29 @@ def test_float16_artifact_exports_onnx(checkpoints: dict, tmp_path: Path) -> Non
     assert types.count("TvmLinear") == 5 and types.count("TvmPredict") == 2 and types.count("TvmSparseFFN") == 4
     fp16 = {i.name for i in model.graph.initializer if i.data_type == onnx.TensorProto.FLOAT16}
     assert len(fp16) >= 5 + 2 * 2 + 4 * 3 - 3  # linears (q/k/v fused), predictors, FFN rows (an empty hot part may be shared)
+
+
+def test_int8_predictors_fold_their_scales(checkpoints: dict, tmp_path: Path) -> None:
+    """--predictor-dtype int8 (auto in an int8/int4 build): fc1/fc2 stored int8 with no scales, the per-row scales
+    folded into fc2 and the offset, threshold 0; the same masks, so the same logits, as the rounded predictor."""
+    ctx = context_for(checkpoints[("llama", "relu")], tmp_path, calibration_tokens=256, predictor_dtype="int8")
+    gm = run_passes(ctx, PREFIX)
+    ids = [7, 3, 99, 42, 5, 61]
+    before = decode_logits(gm, ctx, ids)
+    thresholds = [float(arg(n, "threshold")) for n in gm.graph.nodes
+                  if n.op == "call_function" and is_picompile_op(n.target, "predict")]
+    assert len(thresholds) == 2 and any(t != 0.0 for t in thresholds)
+    gm = run_passes(ctx, ["convert-weights"], gm)
+    preds = [n for n in gm.graph.nodes if n.op == "call_function" and is_picompile_op(n.target, "predict")]
+    assert len(preds) == 2
+    for node in preds:
+        fc1, fc2 = (get_tensor(gm, arg(node, a)) for a in ("fc1", "fc2"))
+        assert fc1.dtype == fc2.dtype == torch.int8 and float(arg(node, "threshold")) == 0.0
+        assert get_tensor(gm, arg(node, "offset")).dtype == torch.float32
+        # per-row symmetric quants: every nonzero row reaches ±127 (its scale is its max)
+        for w in (fc1, fc2):
+            live = w.abs().amax(dim=1) > 0
+            assert bool((w[live].abs().amax(dim=1) == 127).all())
+    info = ctx.manifest_extra["convert_weights"]
+    assert info["predictor_dtype"] == "int8" and info["bytes_after"] * 4 == info["bytes_before"]
+    assert torch.allclose(decode_logits(gm, ctx, ids), before, rtol=0, atol=1e-5)

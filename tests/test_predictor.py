@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -108,3 +109,51 @@ def test_choose_ranks_kernel_granularity() -> None:
     budget = int(0.1 * 22 * 3 * d * n)
     assert budget - 64 * (d + n) < sum(r * (d + n) for r in ranks) <= budget  # used to within one step
     assert all(r % 8 == 0 for r in choose_ranks(stats, d, n, budget_fraction=0.1, granularity=8))
+
+
+@pytest.mark.parametrize("act", ["none", "relu"])
+def test_int8_rows_fold_to_the_same_masks(act: str, tmp_path: Path) -> None:
+    """round_weights_(int8) then fold_int8: int8 fc1/fc2 with no scales and a shifted offset, threshold 0, decide
+    as the rounded float predictor does (up to float rounding at the threshold itself); the one-token kernel too."""
+    from picompile.ir.ops import predict
+    from picompile.sparsity.predictor import fold_int8, round_weights_
+
+    torch.manual_seed(0)
+    d, n, r = 256, 512, 32
+    p = Predictor(d, n, r, act=act)
+    p.offset = torch.randn(n)
+    with torch.no_grad():
+        p.fc2.weight[5].zero_()  # a zero row: a constant decision
+    round_weights_(p, torch.int8)
+    w1 = p.fc1.weight.detach()
+    assert torch.equal(w1, w1.round()) and float(w1.abs().max()) == 127.0
+    x = torch.randn(100, d)
+    with torch.no_grad():
+        logits = p(x).double()  # [100, n]
+    thr = float(logits.quantile(0.8))
+    q1, q2, off, t = fold_int8(p.fc1.weight, p.fc2.weight, p.offset, thr)
+    assert q1.dtype == q2.dtype == torch.int8 and t == 0.0 and not bool(q2[5].any())
+    got = predict(x, q1, q2, t, 0, act, off)  # [100, n]
+    want = logits > thr
+    near = (logits - thr).abs() < 1e-4 * logits.abs().max()
+    assert bool((got == want)[~near].all()) and bool(got[:, 5].eq(bool(p.offset[5] > thr)).all())
+    # the predict kernel takes the int8 weights as they are
+    from picompile.kernels import KernelSpec, as_aligned, build_kernel, load_kernel
+    from picompile.kernels.table import threshold_tensor
+
+    spec = KernelSpec(kind="predict", act=act, d_model=d, n_rows=n, weight_dtype="int8", has_bias=True,
+                      target="llvm", rank=r)
+    kern = load_kernel(build_kernel(spec, tmp_path), spec)
+    mask = torch.empty(n, dtype=torch.int8)
+    for i in range(20):
+        kern(as_aligned(x[i].clone()), as_aligned(q1, copy=True), as_aligned(q2, copy=True), as_aligned(off, copy=True),
+             threshold_tensor(t), mask)
+        assert bool((mask.bool() == want[i])[~near[i]].all())
+
+
+def test_fold_int8_refuses_unrounded_weights() -> None:
+    from picompile.sparsity.predictor import fold_int8
+
+    p = Predictor(16, 32, 4)
+    with pytest.raises(ValueError, match="not int8 row quants"):
+        fold_int8(p.fc1.weight, p.fc2.weight, None, 0.0)

@@ -171,7 +171,8 @@ def test_quantized_artifact(checkpoints: dict, tmp_path: Path, capsys: pytest.Ca
     assert ops["picompile::tvm_linear"] == 2 * 2 + 1 and ops["picompile::tvm_sparse_ffn"] == 4
     kinds = {(k["spec"]["kind"], k["spec"]["weight_dtype"], k["spec"].get("block"))
              for k in session.manifest.sections["kernels"]}
-    assert {("up", "int4", 32), ("ffn_gated", "int4", 32), ("predict", "float16", None)} <= kinds
+    # --predictor-dtype auto: int8 predictors (per-row scales folded into fc2 and the offset) in a quantized build
+    assert {("up", "int4", 32), ("ffn_gated", "int4", 32), ("predict", "int8", None)} <= kinds
     # the TVM kernels (one token) against the reference ops (dequantize + torch), decode by decode
     new = session.generate(PROMPT, 10, stop_at_eos=False)
     assert new == reference.generate(PROMPT, 10, stop_at_eos=False)
@@ -193,7 +194,7 @@ def test_quantized_artifact(checkpoints: dict, tmp_path: Path, capsys: pytest.Ca
     _auto_prefill(out, session, monkeypatch)
     w = session.manifest.weights
     assert w["dtype"] == "int4" and w["block"] == 32 and len(w["quantized"]) == 5 + 4 * 3
-    assert w["bytes_per_token"]["int4"] > w["bytes_per_token"]["float16"] > 0
+    assert w["bytes_per_token"]["int4"] > w["bytes_per_token"]["int8"] > 0  # the int8 predictors
     assert main(["inspect", str(out), "--export-onnx", str(tmp_path / "q.onnx")]) == 0
     assert "int4 (blocks of 32, float16 scales; 17 quantized tensors)" in capsys.readouterr().out
     import onnx

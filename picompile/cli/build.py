@@ -39,9 +39,10 @@ def add_parser(sub: Any) -> None:
                         "q8_0 / q4_0; activations, norms, embeddings and the KV cache stay float32)")
     b.add_argument("--quant-block", type=int, choices=[32, 64, 128, 256], default=32, metavar="N",
                    help="int8/int4: elements per float16 scale (default 32, as llama.cpp)")
-    b.add_argument("--predictor-dtype", choices=["float32", "float16"], default="float16",
-                   help="dtype of the trained predictors' weights (default float16, also in float32 builds: the "
-                        "threshold is tuned on the rounded weights, and the predictors cost half the bytes)")
+    b.add_argument("--predictor-dtype", choices=["auto", "float32", "float16", "int8"], default="auto",
+                   help="dtype of the trained predictors' weights (the threshold is tuned on the rounded weights); "
+                        "auto (default): int8 with per-row scales folded into the next matrix and the threshold in "
+                        "int8/int4 builds, float16 otherwise (also in float32 builds: half the bytes)")
     b.add_argument("--act-criterion", choices=["gate", "product"], default="gate",
                    help="non-ReLU gated FFNs: a neuron is active when |act(gate x)| (gate, CATS; default) or "
                         "|act(gate x)·(up x)| (product: its real output) exceeds the layer's threshold")

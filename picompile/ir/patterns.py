@@ -18,6 +18,8 @@ aten = torch.ops.aten
 
 # --weight-dtype / --predictor-dtype names -> the dtype a weight is stored in
 WEIGHT_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16}
+# --predictor-dtype names (after ``auto``) → the dtype fc1/fc2 are stored in (int8: per-row scales folded away)
+PREDICTOR_DTYPES: dict[str, torch.dtype] = {**WEIGHT_DTYPES, "int8": torch.int8}
 # --weight-dtype names of the block-quantized formats (picompile.kernels.qformat): quants + float16 scales
 QUANT_WEIGHT_DTYPES: tuple[str, ...] = ("int8", "int4")
 # bytes per stored element of each --weight-dtype, before a quantized format's scales (2 bytes per block)

@@ -111,13 +111,50 @@ def evaluate(predictor: Predictor, x: Tensor, mask: Tensor) -> dict[str, float]:
     return {"recall": r, "precision": p, "predicted_active_fraction": pf, "true_active_fraction": tf}
 
 
+def quantize_rows(w: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric int8 quantization per row: ``(q, s)`` with ``w ≈ s[:, None] · q``, ``s = max|row| / 127`` (0 for a
+    zero row), ``q`` the rounded quotients as float32 in [-127, 127]."""
+    w = w.float()  # [rows, cols]
+    s = w.abs().amax(dim=1) / 127.0  # [rows]
+    q = torch.where(s[:, None] > 0, torch.round(w / torch.where(s > 0, s, 1.0)[:, None]), 0.0)  # [rows, cols]
+    return q, s
+
+
 @torch.no_grad()
 def round_weights_(predictor: Predictor, dtype: torch.dtype) -> Predictor:
     """Round ``fc1``/``fc2`` to ``dtype`` in place (kept float32): what the artifact will store, so the threshold
-    is tuned, and the recall reported, on the weights the decode step reads."""
+    is tuned, and the recall reported, on the weights the decode step reads.
+
+    int8: per-row scales that the stored predictor folds away (``fold_int8``): ``fc1`` becomes its row quants
+    ``q1`` (scales ``s1 > 0``, and ``relu(s1 u) = s1 relu(u)``, so ``s1`` moves into ``fc2``'s columns), then
+    ``fc2 · diag(s1)`` is quantized per row, ``s2 · q2``; ``s2`` later divides the offset and threshold."""
+    if dtype == torch.int8:
+        q1, s1 = quantize_rows(predictor.fc1.weight)  # [rank, d_model], [rank]
+        q2, s2 = quantize_rows(predictor.fc2.weight.float() * s1[None, :])  # [n_neurons, rank], [n_neurons]
+        predictor.fc1.weight.copy_(q1)
+        predictor.fc2.weight.copy_(q2 * s2[:, None])
+        return predictor
     for lin_ in (predictor.fc1, predictor.fc2):
         lin_.weight.copy_(lin_.weight.to(dtype).float())
     return predictor
+
+
+@torch.no_grad()
+def fold_int8(fc1: Tensor, fc2: Tensor, offset: Tensor | None, threshold: float,
+              ) -> tuple[Tensor, Tensor, Tensor, float]:
+    """A predictor rounded by ``round_weights_(…, torch.int8)`` (``fc1 [rank, d_model]`` integral, ``fc2
+    [n_neurons, rank]`` rows ``s2 · q2``) → ``(q1, q2, offset', 0.0)``, int8 weights with no scales: neuron j is
+    predicted when ``s2_j (q2_j · h) + offset_j > threshold``, i.e. ``q2_j · h + (offset_j - threshold) / s2_j > 0``
+    (``s2_j > 0``); a zero row ``j`` is a constant decision, ``offset'_j = ±1``."""
+    q1 = torch.round(fc1.float())
+    if q1.abs().max() > 127 or not torch.equal(q1, fc1.float()):
+        raise ValueError("fc1 is not int8 row quants: round the predictor with round_weights_(…, torch.int8) first")
+    q2, s2 = quantize_rows(fc2)  # recovers round_weights_'s quants: s2 agrees to float32 rounding
+    off = torch.zeros(fc2.shape[0]) if offset is None else offset.float()  # [n_neurons]
+    live = s2 > 0
+    shifted = torch.where(live, (off - threshold) / torch.where(live, s2, 1.0),
+                          torch.where(off > threshold, 1.0, -1.0))  # [n_neurons]
+    return q1.to(torch.int8), q2.to(torch.int8), shifted.to(torch.float32).contiguous(), 0.0
 
 
 def tune_threshold(logits: Tensor, mask: Tensor, recall_target: float) -> float:
