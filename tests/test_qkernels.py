@@ -137,8 +137,10 @@ def test_quantized_spec_key_and_checks() -> None:
         KernelSpec("up", "none", 256, 8, "int8", False, "llvm", block=48)
     with pytest.raises(KernelSpecError, match="whole number of 64-element blocks"):
         KernelSpec("up", "none", 96, 8, "int8", False, "llvm", block=64)
-    with pytest.raises(KernelSpecError, match="predict"):
-        KernelSpec("predict", "relu", 256, 8, "int8", False, "llvm", rank=16)
+    with pytest.raises(KernelSpecError, match="kind 'predict' takes float32, float16 or int8"):
+        KernelSpec("predict", "relu", 256, 8, "int4", False, "llvm", rank=16)
+    plain = KernelSpec("predict", "relu", 256, 8, "int8", False, "llvm", rank=16)  # int8 with its scales folded away
+    assert not plain.quantized and call_args(plain) == ("x", "fc1", "fc2", "offset", "thr", "mask")
     assert call_args(KernelSpec("ffn_gated", "silu", 256, 8, "int4", True, "llvm")) == (
         "x", "w_up", "s_up", "w_gate", "s_gate", "b_up", "w_down_t", "s_down", "idx", "y")
 
