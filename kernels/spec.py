@@ -40,8 +40,8 @@ prefill's GEMMs, ``out[r] = bf16(w[r])`` (``w_up`` its quants / float16 array, `
 bfloat16 ``[rows, d_model]``); rows are symbolic, so ``n_rows`` is 1 (one kernel per format, width and block).
 
 Kind ``predict`` (CPU only) is a whole activation predictor in one call, for one token:
-``fc1`` ``[rank, d_model]``, ``fc2`` ``[n_rows, rank]`` (``weight_dtype``: float32, float16 or int8 with no scales), optional ``offset`` ``[n_rows]``
-float32 (``has_bias``), ``thr`` float32 ``[1]``; it writes the int8 mask
+``fc1`` ``[rank, d_model]``, ``fc2`` ``[n_rows, rank]`` (``weight_dtype``: float32, float16 or int8 with no
+scales), optional ``offset`` ``[n_rows]`` float32 (``has_bias``), ``thr`` float32 ``[1]``; it writes the int8 mask
 ``mask[j] = fc2[j] . act(fc1 x) + offset[j] > thr[0]``.
 """
 from __future__ import annotations

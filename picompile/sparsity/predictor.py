@@ -111,7 +111,7 @@ def evaluate(predictor: Predictor, x: Tensor, mask: Tensor) -> dict[str, float]:
     return {"recall": r, "precision": p, "predicted_active_fraction": pf, "true_active_fraction": tf}
 
 
-def quantize_rows(w: Tensor) -> tuple[Tensor, Tensor]:
+def int8_rows(w: Tensor) -> tuple[Tensor, Tensor]:
     """Symmetric int8 quantization per row: ``(q, s)`` with ``w ≈ s[:, None] · q``, ``s = max|row| / 127`` (0 for a
     zero row), ``q`` the rounded quotients as float32 in [-127, 127]."""
     w = w.float()  # [rows, cols]
@@ -129,8 +129,8 @@ def round_weights_(predictor: Predictor, dtype: torch.dtype) -> Predictor:
     ``q1`` (scales ``s1 > 0``, and ``relu(s1 u) = s1 relu(u)``, so ``s1`` moves into ``fc2``'s columns), then
     ``fc2 · diag(s1)`` is quantized per row, ``s2 · q2``; ``s2`` later divides the offset and threshold."""
     if dtype == torch.int8:
-        q1, s1 = quantize_rows(predictor.fc1.weight)  # [rank, d_model], [rank]
-        q2, s2 = quantize_rows(predictor.fc2.weight.float() * s1[None, :])  # [n_neurons, rank], [n_neurons]
+        q1, s1 = int8_rows(predictor.fc1.weight)  # [rank, d_model], [rank]
+        q2, s2 = int8_rows(predictor.fc2.weight.float() * s1[None, :])  # [n_neurons, rank], [n_neurons]
         predictor.fc1.weight.copy_(q1)
         predictor.fc2.weight.copy_(q2 * s2[:, None])
         return predictor
@@ -146,10 +146,11 @@ def fold_int8(fc1: Tensor, fc2: Tensor, offset: Tensor | None, threshold: float,
     [n_neurons, rank]`` rows ``s2 · q2``) → ``(q1, q2, offset', 0.0)``, int8 weights with no scales: neuron j is
     predicted when ``s2_j (q2_j · h) + offset_j > threshold``, i.e. ``q2_j · h + (offset_j - threshold) / s2_j > 0``
     (``s2_j > 0``); a zero row ``j`` is a constant decision, ``offset'_j = ±1``."""
-    q1 = torch.round(fc1.float())
-    if q1.abs().max() > 127 or not torch.equal(q1, fc1.float()):
+    w1 = fc1.float()  # [rank, d_model]
+    q1 = torch.round(w1)
+    if q1.abs().max() > 127 or not torch.equal(q1, w1):
         raise ValueError("fc1 is not int8 row quants: round the predictor with round_weights_(…, torch.int8) first")
-    q2, s2 = quantize_rows(fc2)  # recovers round_weights_'s quants: s2 agrees to float32 rounding
+    q2, s2 = int8_rows(fc2)  # recovers round_weights_'s quants: s2 agrees to float32 rounding
     off = torch.zeros(fc2.shape[0]) if offset is None else offset.float()  # [n_neurons]
     live = s2 > 0
     shifted = torch.where(live, (off - threshold) / torch.where(live, s2, 1.0),
