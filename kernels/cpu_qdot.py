@@ -32,15 +32,15 @@ from tvm.script import tirx as T
 
 from .spec import KernelSpec
 
-ISAS: tuple[str, ...] = ("vnni", "avx512bw")
+ISAS: tuple[str, ...] = ("vnni", "avx512bw", "avx2")
 
 
 def isa_for(target: tvm.target.Target) -> str | None:
-    """The integer dot-product instructions the LLVM ``target`` has: "vnni", "avx512bw", or None."""
+    """The integer dot-product instructions the LLVM ``target`` has: "vnni", "avx512bw", "avx2", or None."""
     from tvm.target import codegen
 
     if not codegen.llvm_cpu_has_features(["avx512bw", "avx512f"], target):
-        return None
+        return "avx2" if codegen.llvm_cpu_has_features(["avx2", "fma", "f16c"], target) else None
     return "vnni" if codegen.llvm_cpu_has_features(["avx512vnni"], target) else "avx512bw"
 
 
@@ -59,13 +59,47 @@ def describe(spec: KernelSpec, isa: str, partitions: int) -> tirx.PrimFunc:
     return describe_up(spec, isa) if spec.kind == "up" else describe_ffn(spec, isa, partitions)
 
 
+def _lanes(v: tirx.PrimExpr, start: int, n: int) -> tirx.PrimExpr:
+    """Lanes ``start .. start+n-1`` of the vector ``v`` (a register half: no instruction once lowered)."""
+    return tirx.Shuffle([v], [tirx.const(start + i, "int32") for i in range(n)])
+
+
+def _concat(a: tirx.PrimExpr, b: tirx.PrimExpr, n: int) -> tirx.PrimExpr:
+    """The vectors a and b (n lanes each) side by side."""
+    return tirx.Shuffle([a, b], [tirx.const(i, "int32") for i in range(2 * n)])
+
+
 def _dot(isa: str, acc: tirx.PrimExpr, u8: tirx.PrimExpr, s8: tirx.PrimExpr) -> tirx.PrimExpr:
-    """``acc[l] + Σ_{t<4} u8[4l+t] · s8[4l+t]`` over 16 int32 lanes."""
+    """``acc[l] + Σ_{t<4} u8[4l+t] · s8[4l+t]`` over 16 int32 lanes (AVX2: two 32-byte halves, each
+    ``vpmaddubsw`` + ``vpmaddwd``; the 512-bit generic operations around it split into 256-bit pairs)."""
     if isa == "vnni":
         return tirx.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.vpdpbusd.512", acc, u8, s8)
+    if isa == "avx2":
+        ones8 = tirx.Broadcast(tirx.const(1, "int16"), 16)
+        halves = [tirx.call_llvm_pure_intrin(
+            "int32x8", "llvm.x86.avx2.pmadd.wd",
+            tirx.call_llvm_pure_intrin("int16x16", "llvm.x86.avx2.pmadd.ub.sw", _lanes(u8, 32 * h, 32),
+                                       _lanes(s8, 32 * h, 32)), ones8) for h in range(2)]
+        return acc + _concat(halves[0], halves[1], 8)
     pairs = tirx.call_llvm_pure_intrin("int16x32", "llvm.x86.avx512.pmaddubs.w.512", u8, s8)
     ones = tirx.Broadcast(tirx.const(1, "int16"), 32)
     return acc + tirx.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.pmaddw.d.512", pairs, ones)
+
+
+def _permute16(isa: str, v: tirx.PrimExpr, idx: tirx.PrimExpr) -> tirx.PrimExpr:
+    """``v[idx[l]]`` for 16 float32 lanes (indices < 16): one ``vpermps`` (AVX-512), or on AVX2 each output half
+    from the two 8-lane halves of v (``vpermps`` takes an index's low 3 bits) and a blend on ``idx < 8``. The
+    indices are constants once the chunk loop is unrolled, so LLVM turns either into fixed shuffles."""
+    if isa != "avx2":
+        return tirx.call_llvm_pure_intrin("float32x16", "llvm.x86.avx512.permvar.sf.512", v, idx)
+    lo, hi = _lanes(v, 0, 8), _lanes(v, 8, 8)
+    out = []
+    for h in range(2):
+        i8 = _lanes(idx, 8 * h, 8)
+        out.append(tirx.Select(i8 < tirx.Broadcast(tirx.const(8, "int32"), 8),
+                               tirx.call_llvm_pure_intrin("float32x8", "llvm.x86.avx2.permps", lo, i8),
+                               tirx.call_llvm_pure_intrin("float32x8", "llvm.x86.avx2.permps", hi, i8)))
+    return _concat(out[0], out[1], 8)
 
 
 def _act(act: str, v: tirx.PrimExpr) -> tirx.PrimExpr:
@@ -143,7 +177,7 @@ def _macros(spec: KernelSpec, isa: str):  # -> (prep_x, row_dot): TVMScript macr
                     sx = T.bind(T.Select(q < T.Broadcast(T.int8(0), 64), T.Broadcast(T.int8(0), 64) - xv, xv))
                     iv = T.bind(dot(isa, zero16, T.reinterpret("uint8x64", T.abs(q)), sx))
                 lane_blk = T.bind(T.floordiv(T.ramp(cc * 64, 4, 16), T.Broadcast(HB, 16)))
-                sc = T.bind(T.call_llvm_pure_intrin("float32x16", "llvm.x86.avx512.permvar.sf.512", sw, lane_blk))
+                sc = T.bind(_permute16(isa, sw, lane_blk))
                 acc[T.ramp(0, 1, 16)] = acc[T.ramp(0, 1, 16)] + T.Cast("float32x16", iv) * (
                     sc * xd[T.ramp(g * GB // 4 + cc * 16, 1, 16)])
         out[0] = T.call_llvm_pure_intrin("float32", "llvm.vector.reduce.fadd", T.float32(0), acc[T.ramp(0, 1, 16)])

@@ -197,8 +197,13 @@ QDOT_CASES = [  # weight dtype, block, d_model, mcpu (LLVM CPU: which integer do
     ("int4", 32, 1024, "skylake-avx512", "avx512bw"),
     ("int8", 64, 1024, "skylake-avx512", "avx512bw"),
     ("int4", 64, 1024, None, None),  # this machine's CPU: whichever it has (AVX-512 hosts: one of the two)
-    ("int4", 32, 512, "x86-64-v3", "float"),  # AVX2 only: the float kernel (exact dequantized maths)
+    ("int4", 32, 512, "x86-64-v3", "avx2"),  # AVX2 (AMD Zen 2/3, Intel Haswell..): vpmaddubsw on 256-bit halves
+    ("int8", 32, 512, "x86-64-v3", "avx2"),
+    ("int4", 64, 1024, "x86-64-v3", "avx2"),
+    ("int4", 32, 512, "x86-64-v2", "float"),  # no AVX2: the float kernel (exact dequantized maths)
 ]
+
+_NEEDS = {"icelake-server": "avx512_vnni", "skylake-avx512": "avx512bw", "x86-64-v3": "avx2", "znver2": "avx2"}
 
 
 @pytest.mark.parametrize("case", QDOT_CASES, ids=lambda c: "-".join(map(str, c)))
@@ -213,7 +218,7 @@ def test_integer_dot_gemv_matches_quantized_x_reference(case: tuple, tmp_path: P
     from picompile.kernels.qformat import qdot_reference
 
     wdt, block, d, mcpu, isa = case
-    if mcpu and mcpu != "x86-64-v3" and not _host_has("avx512bw" if isa == "avx512bw" else "avx512_vnni"):
+    if mcpu in _NEEDS and not _host_has(_NEEDS[mcpu]):
         pytest.skip(f"this CPU cannot run {isa} code")
     spec = KernelSpec("up", "none", d, 37, wdt, False, "llvm", block=block)
     gen = torch.Generator().manual_seed(block + d)
@@ -257,6 +262,11 @@ QDOT_FFN_CASES = [  # kind, act, weight dtype, block, d_model, mcpu, cpu_qdot.IN
     ("ffn_relu", "relu", "int4", 64, 1024, "skylake-avx512", True),
     ("ffn_relu", "relu", "int8", 32, 512, "icelake-server", True),
     ("ffn_relu", "relu", "int8", 32, 512, "icelake-server", False),
+    ("ffn_gated", "relu", "int4", 32, 512, "x86-64-v3", True),
+    ("ffn_gated", "relu", "int4", 32, 512, "x86-64-v3", False),
+    ("ffn_gated", "silu", "int8", 32, 512, "x86-64-v3", True),  # AVX2 int8: the float down rows
+    ("ffn_relu", "relu", "int4", 64, 1024, "x86-64-v3", True),
+    ("ffn_relu", "relu", "int8", 32, 512, "x86-64-v3", True),
 ]
 
 
@@ -287,14 +297,14 @@ def test_integer_dot_ffn_matches_quantized_x_reference(case: tuple, tmp_path: Pa
     from picompile.kernels.qformat import qdot_reference
 
     kind, act, wdt, block, d, mcpu, int_down = case
-    if not _host_has("avx512bw" if mcpu == "skylake-avx512" else "avx512_vnni"):
+    if not _host_has(_NEEDS[mcpu]):
         pytest.skip(f"this CPU cannot run {mcpu} code")
     n = 41
     spec = KernelSpec(kind, act, d, n, wdt, False, "llvm", block=block)
     monkeypatch.setattr(cpu_qdot, "INT_DOWN", int_down)
     kern = load_kernel(build_kernel(spec, tmp_path, mcpu=mcpu), spec)
     isa = json.loads((tmp_path / f"{spec.key()}.json").read_text())["qdot"]
-    assert isa in ("vnni", "avx512bw")
+    assert isa in ("vnni", "avx512bw", "avx2")
     integer_down = cpu_qdot.int_down(spec, isa)
     assert integer_down == (int_down and (isa == "vnni" or wdt == "int4"))
     gen = torch.Generator().manual_seed(d + block)
