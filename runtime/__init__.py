@@ -27,8 +27,9 @@ def load(path: str | Path, verify: bool = True, dense: bool = False, hybrid: str
     decode is unchanged; ``"bfloat16-stream"``: the same GEMMs with no copy, each weight converted per call
     (``runtime/prefill_stream.py``). ``"auto"`` (or None, the default) picks bfloat16 for float16 artifacts on
     CPUs with AVX512-BF16 and no native float16 GEMM, and for int8 / int4 artifacts on CPUs with AMX or
-    AVX512-BF16 — copies where they cost at most an eighth of the memory, streamed otherwise — else the weights'
-    dtype (``"weights"``); ``session.prefill_dtype`` / ``prefill_reason`` say which and why.
+    AVX512-BF16 — copies where they cost at most an eighth of the memory, streamed otherwise — and on CPUs with
+    neither ``"float32"`` (float32 copies made once at load, where they cost at most a quarter of the memory),
+    else the weights' dtype (``"weights"``); ``session.prefill_dtype`` / ``prefill_reason`` say which and why.
 
     The graph rewrites of the load are a named list of steps (``runtime/load_pipeline.py``), which these
     options decide and ``session.load_steps`` reports: ``print_after`` (step names, or "all") emits the

@@ -116,8 +116,18 @@ def _pack_part(gm: fx.GraphModule, part: dict[str, Any], act: str, layer: int,
         w_out = weight("w_down", "s_down")  # [d_model, k] already
     else:
         w_out = weight("w_down_t", "s_down").t()  # [k, d_model] → [d_model, k]
-    weights = {"w_in": w_in.to(dtype).contiguous(), "b_in": b_in, "w_out": w_out.to(dtype).contiguous()}
+    weights = {"w_in": gemm_layout(w_in, dtype), "b_in": b_in, "w_out": gemm_layout(w_out, dtype)}
     return PrefillFFN(layer, act, n_ff, gated), weights
+
+
+def gemm_layout(w: Tensor, dtype: torch.dtype) -> Tensor:
+    """``w`` [d_out, d_in] as a ``dtype`` copy in the layout torch's GEMM reads fastest for ``x @ w.T``: bfloat16
+    (oneDNN) nn.Linear's own, contiguous; float32 (MKL) input-major storage, ``w`` a transposed view of a
+    contiguous [d_in, d_out] (AMD Zen 2, 2 threads, 64 rows: 79 against 56 GFLOPS at [5632, 2048], 89 against 57
+    at [2560, 2048], 72 against 77 at [2048, 5632])."""
+    if dtype == torch.float32:
+        return w.t().to(dtype).contiguous().t()
+    return w.to(dtype).contiguous()
 
 
 def pack_ffn(gm: fx.GraphModule, node: fx.Node, dtype: torch.dtype) -> Optional[Packed]:

@@ -88,6 +88,27 @@ def test_bfloat16_prefill_logits(f16_cpu_artifact: Path, artifacts: dict, kind: 
     assert low.generate(PROMPT, max_new_tokens=6) == default.generate(PROMPT, max_new_tokens=6)  # greedy: same tokens
 
 
+def test_float32_prefill_copies(f16_cpu_artifact: Path, checkpoints: dict, tmp_path: Path) -> None:
+    """prefill_dtype="float32" (auto's choice on CPUs without a fast bfloat16 GEMM): float32 copies made once,
+    input-major (the layout MKL's float32 GEMM reads fastest), for a float16 and an int4 artifact; the prompt's
+    logits are the per-call path's: int4 (dequantized to the same float32 values per call) within float32
+    summation order; float16 within float16 rounding (the per-call path computes a short prompt's GEMMs in
+    float16, ``ops.lin``); greedy text equal."""
+    int4 = picompile.build(checkpoints[("llama", "relu")], output=tmp_path / "q.pic", calibration_tokens=256,
+                           emit=lambda s: None, weight_dtype="int4")
+    for art, tol in ((f16_cpu_artifact, 1e-2), (int4, 1e-5)):
+        per_call = picompile.load(art, prefill_dtype="weights")
+        copies = picompile.load(art, prefill_dtype="float32")
+        assert copies.prefill_dtype == "float32" and "compute-dtype" in copies.load_steps
+        weights = _gemm_weights(copies.prefill_graph) + [
+            get_tensor(copies.prefill_graph, n.args[i]) for n in copies.prefill_graph.graph.nodes
+            if n.op == "call_function" and isinstance(n.target, PrefillFFN) for i in (1, 3)]
+        assert weights and all(w.dtype == torch.float32 and w.t().is_contiguous() for w in weights)
+        want, got = per_call.logits(PROMPT), copies.logits(PROMPT)
+        assert float((got - want).abs().max() / want.abs().max()) < tol
+        assert copies.generate(PROMPT, 6, stop_at_eos=False) == per_call.generate(PROMPT, 6, stop_at_eos=False)
+
+
 def test_bad_prefill_dtype_fails_before_loading(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     missing = tmp_path / "nothing.pic"
     with pytest.raises(InputError, match="prefill_dtype must be one of auto, weights, bfloat16.*'float8'"):
@@ -150,8 +171,13 @@ def test_auto_is_bfloat16_only_where_it_pays_and_fits(monkeypatch: pytest.Monkey
     assert choose(None, "float16", 2 * gib) == (None, "auto: this CPU has AMX-FP16 (a float16 GEMM unit)")
     assert choose("bfloat16", "float16", 2 * gib)[0] == "bfloat16"  # asked for: still there
     assert choose("bfloat16-stream", "float16", 2 * gib)[0] == "bfloat16-stream"
-    _cpu(monkeypatch, amx=False, bf16=False, available_gib=20)
-    assert choose(None, "float16", 2 * gib)[0] is None
+    _cpu(monkeypatch, amx=False, bf16=False, available_gib=20)  # AVX2 (AMD Zen 2 / 3): float32 copies
+    dtype, why = choose(None, "float16", 2 * gib)
+    assert dtype == "float32" and "float32 copy 4.0 GiB" in why and "widened once at load" in why
+    dtype, why = choose(None, "float16", int(3.5 * gib))  # 7 GiB of copies: more than a quarter of 24 GiB
+    assert dtype is None and "more than 1/4 of the machine's 24.0 GiB" in why and "widened to float32 per call" in why
+    assert choose(None, "float32", 2 * gib)[0] is None  # float32 weights are the copy already
+    assert choose("float32", "float16", 2 * gib)[0] == "float32"  # asked for by name: any CPU
     with pytest.raises(InputError, match="bfloat16-stream"):
         choose("bfloat16-stream", "float16", 2 * gib)  # no fast bfloat16 GEMM: refused by name
 
@@ -198,9 +224,11 @@ def test_auto_for_quantized_weights(monkeypatch: pytest.MonkeyPatch) -> None:
             assert dtype == "bfloat16-stream" and "13.0 GiB" in why and "no copy" in why
     assert choose("weights", "int4", 2 * gib) == (None, "prefill_dtype='weights'")
     assert choose(None, "int4", 2 * gib, kernels=False)[0] is None  # the reference pipeline's artifact
-    _cpu(monkeypatch, amx=False, bf16=False, available_gib=20)
-    assert choose(None, "int4", 2 * gib) == (None, "auto: no AMX or AVX512-BF16 here (int4 weights dequantized "
-                                                   "to float32 per call)")
+    _cpu(monkeypatch, amx=False, bf16=False, available_gib=20)  # AVX2: float32 copies where they fit
+    assert choose(None, "int4", 2 * gib) == ("float32", "auto: no AMX or AVX512-BF16 here: float32 copy 4.0 GiB, "
+                                                        "int4 weights dequantized once at load")
+    dtype, why = choose(None, "int4", 13 * gib)  # a 7B int4's copies: dequantized per call, no copy
+    assert dtype is None and "26.0 GiB" in why and "dequantized to float32 per call" in why
     _cpu(monkeypatch, amx=False, bf16=True, available_gib=4)
     dtype, why = choose(None, "int8", 3 * gib)  # 4 - 3 GiB < the 3 GiB kept free
     assert dtype == "bfloat16-stream" and "3.0 GiB" in why and "kept free" in why

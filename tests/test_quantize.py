@@ -129,7 +129,8 @@ def test_rows_not_whole_blocks_fall_back_to_float16(checkpoints: dict, tmp_path:
 def _auto_prefill(art: Path, per_call: picompile.Session, monkeypatch: pytest.MonkeyPatch) -> None:
     """prefill_dtype="auto" on a quantized artifact: bfloat16 copies (their size the dequantized weights', from
     the weight file's header) where this CPU has a fast bfloat16 GEMM and the copy fits; streamed without the
-    copy otherwise (here: memory made short), with the reason, and the same logits."""
+    copy otherwise (here: memory made short), with the reason, and the same logits. Without a fast bfloat16 GEMM
+    (AVX2): float32 copies where they fit, else dequantized per call."""
     from picompile.runtime import compute_dtype
 
     from safetensors import safe_open
@@ -138,15 +139,17 @@ def _auto_prefill(art: Path, per_call: picompile.Session, monkeypatch: pytest.Mo
     with safe_open(str(art / m.weights["file"]), "pt") as f:  # int4: two weights a byte, bfloat16 two bytes each
         want = sum(2 * 2 * f.get_slice(k).get_shape()[0] * f.get_slice(k).get_shape()[1] for k in m.weights["quantized"])
     assert compute_dtype.copy_bytes(m, art) == want > 0
+    auto = picompile.load(art)
     if compute_dtype.has_bf16_gemm():
-        auto = picompile.load(art)
         assert auto.prefill_dtype == "bfloat16" and "int4 weights with a fast bfloat16 GEMM" in auto.prefill_reason
         assert "compute-dtype" in auto.load_steps
         assert _rel(auto.logits(PROMPT), per_call.logits(PROMPT)) < 5e-2
     monkeypatch.setattr(compute_dtype, "_meminfo", lambda: {"MemAvailable": want + (1 << 30), "MemTotal": 16 << 30})
     short = picompile.load(art)  # the copy would leave 1 GiB, under the 2 GiB kept free: streamed, no copy
-    if not compute_dtype.has_bf16_gemm():
+    if not compute_dtype.has_bf16_gemm():  # AVX2: float32 copies (auto above) where they fit, else per call
+        assert auto.prefill_dtype == "float32" and "int4 weights dequantized once at load" in auto.prefill_reason
         assert short.prefill_dtype is None and "compute-dtype" not in short.load_steps
+        assert "dequantized to float32 per call" in short.prefill_reason
         return
     assert short.prefill_dtype == "bfloat16-stream" and "compute-dtype" in short.load_steps
     assert "kept free: each weight converted to bfloat16 per call instead (no copy)" in short.prefill_reason
@@ -189,8 +192,13 @@ def test_quantized_artifact(checkpoints: dict, tmp_path: Path, capsys: pytest.Ca
             assert w.dtype == torch.bfloat16 or w.shape[0] == 0  # (an empty part keeps its empty quants)
             rewritten += 1
     assert rewritten == 5 + 4
-    low = picompile.load(out, prefill_dtype="bfloat16")
-    assert _rel(low.logits(PROMPT), session.logits(PROMPT)) < 5e-2  # bfloat16 rounding (measured ~1.5e-2)
+    from picompile.runtime import compute_dtype
+
+    if compute_dtype.has_bf16_gemm():
+        low = picompile.load(out, prefill_dtype="bfloat16")
+        assert _rel(low.logits(PROMPT), session.logits(PROMPT)) < 5e-2  # bfloat16 rounding (measured ~1.5e-2)
+    f32 = picompile.load(out, prefill_dtype="float32")  # copies dequantized once: the same float32 values
+    assert _rel(f32.logits(PROMPT), session.logits(PROMPT)) < 1e-5
     _auto_prefill(out, session, monkeypatch)
     w = session.manifest.weights
     assert w["dtype"] == "int4" and w["block"] == 32 and len(w["quantized"]) == 5 + 4 * 3

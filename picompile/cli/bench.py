@@ -49,7 +49,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--compile", action="store_true",
                    help="also run the step through torch.compile (load(compile=True)); the ratios are then the "
                         "compiled step's, the eager one stays beside it")
-    p.add_argument("--prefill-dtype", choices=["weights", "bfloat16", "bfloat16-stream"],
+    p.add_argument("--prefill-dtype", choices=["weights", "bfloat16", "bfloat16-stream", "float32"],
                    help="add a column: the step with the prompt's GEMMs in this dtype (load(prefill_dtype=...); "
                         "weights: the artifact's own, beside the default's auto choice), "
                         "and how its prompt logits compare with the default's")

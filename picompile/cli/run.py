@@ -19,13 +19,15 @@ def add_load_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="fuse the glue between the kernels with torch.compile (faster decode; the first call "
                         "compiles, about a minute for a 1B model, half that once cached; needs a C++ compiler)")
-    p.add_argument("--prefill-dtype", choices=["auto", "weights", "bfloat16", "bfloat16-stream"],
+    p.add_argument("--prefill-dtype", choices=["auto", "weights", "bfloat16", "bfloat16-stream", "float32"],
                    help="the prompt's GEMM dtype: bfloat16 on copies of the weights made at load (CPUs with AMX or "
                         "AVX512-BF16: faster prefill, coarser logits, the memory of a bfloat16 model), "
                         "bfloat16-stream (the same GEMMs, each weight converted per call: no copy, ~6-20%% slower), "
                         "weights (the artifact's own), auto (default: bfloat16 for float16 weights on CPUs with "
                         "AVX512-BF16 but no native float16 GEMM and for int8/int4 weights, as copies where they "
-                        "cost at most an eighth of the memory, streamed otherwise); decode is unchanged")
+                        "cost at most an eighth of the memory, streamed otherwise; on CPUs without either: "
+                        "float32, copies made once where they cost at most a quarter of the memory); "
+                        "decode is unchanged")
     p.add_argument("--trust-kernels", action="store_true",
                    help="load the artifact's own compiled kernel libraries (native code: only from a builder you "
                         "trust) instead of compiling them here from their specs (default; cached after the first load)")
