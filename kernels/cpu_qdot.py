@@ -221,6 +221,77 @@ def describe_up(spec: KernelSpec, isa: str) -> tirx.PrimFunc:
     return up
 
 
+BATCH_ROWS: int = 64  # several-token ``up``: rows per parallel block (64 int4 rows of d 2048: 74 KB, L2-resident)
+
+
+def describe_up_batched(spec: KernelSpec, isa: str) -> tirx.PrimFunc:
+    """The several-token ``up`` kernel ``h[t, j] = act(w[idx[j]] · x[t])``, arguments ``(x [t, d], w, s, idx,
+    h [t, k])``: each token's x quantized as the one-token kernel does (``prep_x``, before the parallel region),
+    then parallel over blocks of ``BATCH_ROWS`` rows: per token, its quants copied into the thread's own buffers,
+    then the block's dot products (``row_dot``: the one-token kernel's sums, so a token's result is the same
+    alone or beside others; the block's rows come from memory once and from cache for the other tokens)."""
+    if not applies(spec, isa) or spec.kind != "up":
+        raise ValueError(f"no integer dot-product kernel for {spec}")
+    d, n, R = spec.d_model, spec.n_rows, BATCH_ROWS
+    qdt = "uint8" if spec.weight_dtype == "int4" else "int8"
+    sh = _shape(spec)
+    nb, RB, NL = sh["nb"], sh["RB"], sh["NL"]
+    act = spec.act
+    prep_x, row_dot = _macros(spec, isa)
+
+    @T.prim_func(check_well_formed=False)
+    def up_batch(xh: T.handle, wh: T.handle, sh_: T.handle, idxh: T.handle, hh: T.handle) -> None:
+        T.func_attr({"tirx.noalias": True})
+        k = T.int32()
+        t = T.int32()
+        x = T.match_buffer(xh, (t, d), "float32", align=64)  # [t, d_model]
+        w = T.match_buffer(wh, (n, RB), qdt, align=64)  # [n_rows, quant bytes]
+        s = T.match_buffer(sh_, (n, nb), "float16", align=64)  # [n_rows, blocks]
+        idx = T.match_buffer(idxh, (k,), "int32")  # [k]
+        h = T.match_buffer(hh, (t, k), "float32")  # [t, k]
+        qa = T.decl_buffer((t, RB), "int8", align=64)  # [t, quant bytes]: every token's prep_x results
+        qb = T.decl_buffer((t, RB), "int8", align=64)
+        qc = T.decl_buffer((t, NL), "int32", align=64)
+        qd = T.decl_buffer((t, NL), "float32", align=64)
+        x1 = T.decl_buffer((d,), "float32", align=64)
+        ya = T.decl_buffer((RB,), "int8", align=64)
+        yb = T.decl_buffer((RB,), "int8", align=64)
+        yc = T.decl_buffer((NL,), "int32", align=64)
+        yd = T.decl_buffer((NL,), "float32", align=64)
+        dx = T.decl_buffer((nb,), "float32")
+        m16 = T.decl_buffer((16,), "float32", align=64)
+        for tt in range(t):  # serial, before the parallel region
+            for i in range(d // 16):
+                x1[T.ramp(i * 16, 1, 16)] = x[tt, T.ramp(i * 16, 1, 16)]
+            prep_x(x1, ya, yb, yc, yd, dx, m16)
+            for i in range(RB // 16):
+                qa[tt, T.ramp(i * 16, 1, 16)] = ya[T.ramp(i * 16, 1, 16)]
+                qb[tt, T.ramp(i * 16, 1, 16)] = yb[T.ramp(i * 16, 1, 16)]
+            for i in range(NL):
+                qc[tt, i] = yc[i]
+                qd[tt, i] = yd[i]
+        for blk in T.parallel((k + R - 1) // R):
+            acc = T.decl_buffer((16,), "float32", align=64)
+            res = T.decl_buffer((1,), "float32")
+            xa = T.decl_buffer((RB,), "int8", align=64)
+            xb = T.decl_buffer((RB,), "int8", align=64)
+            xc = T.decl_buffer((NL,), "int32", align=64)
+            xd = T.decl_buffer((NL,), "float32", align=64)
+            for tt in range(t):
+                for i in range(RB // 16):
+                    xa[T.ramp(i * 16, 1, 16)] = qa[tt, T.ramp(i * 16, 1, 16)]
+                    xb[T.ramp(i * 16, 1, 16)] = qb[tt, T.ramp(i * 16, 1, 16)]
+                for i in range(NL):
+                    xc[i] = qc[tt, i]
+                    xd[i] = qd[tt, i]
+                for jj in range(R):
+                    if blk * R + jj < k:
+                        row_dot(w, s, xa, xb, xc, xd, idx[blk * R + jj], idx[T.min(blk * R + jj + 1, k - 1)], acc, res)
+                        h[tt, blk * R + jj] = _act(act, res[0])
+
+    return up_batch
+
+
 GROUP: int = 4  # gated FFN: active rows per step of the down part (one y_part load/store per GROUP rows)
 LEAD: int = 1  # gated FFN: the next rows' up and down lines are prefetched this many groups ahead
 

@@ -246,6 +246,37 @@ def test_integer_dot_gemv_matches_quantized_x_reference(case: tuple, tmp_path: P
     assert float((h.double() - flt).abs().max() / flt.abs().max()) < 2e-2  # x's int8 rounding (~5e-3 measured)
 
 
+@pytest.mark.parametrize("case", [("int4", 32, 512, None), ("int8", 32, 512, None), ("int4", 64, 1024, "x86-64-v3"),
+                                  ("int8", 32, 512, "icelake-server")], ids=lambda c: "-".join(map(str, c)))
+def test_integer_dot_batched_form_is_the_one_token_kernel_per_token(case: tuple, tmp_path: Path) -> None:
+    """Kind ``up``'s several-token form with integer dot products (``cpu_qdot.describe_up_batched``, what the
+    serving batch's quantized linears call): row j of token t is the one-token kernel's h[j] for x[t], bit for
+    bit, for 1, 3 and 70 tokens (over a block of rows: ``BATCH_ROWS``) and a k that is not a whole block."""
+    wdt, block, d, mcpu = case
+    if mcpu in _NEEDS and not _host_has(_NEEDS[mcpu]):
+        pytest.skip(f"this CPU cannot run {mcpu} code")
+    spec = KernelSpec("up", "relu", d, 150, wdt, False, "llvm", block=block)
+    import json
+
+    kern = load_kernel(build_kernel(spec, tmp_path, mcpu=mcpu), spec)
+    if json.loads((tmp_path / f"{spec.key()}.json").read_text()).get("qdot") is None:
+        pytest.skip("this CPU has no integer dot-product kernel")
+    gen = torch.Generator().manual_seed(d)
+    q, s, w = _quantized(spec, gen)
+    idx = as_aligned(torch.randperm(150, generator=gen)[:131].to(torch.int32))
+    for t in (1, 3, 70):
+        x = as_aligned(torch.randn(t, d, generator=gen))
+        x[0, :block] = 0.0  # an all-zero block of x
+        h = aligned_empty((t, 131))
+        kern(x, q, s, None, None, None, idx, h)
+        for i in range(t):
+            one = aligned_empty(131)
+            kern(as_aligned(x[i].clone()), q, s, None, None, None, idx, one)
+            assert torch.equal(h[i], one), f"token {i} of {t}"
+        ref = torch.relu(x.double() @ w[idx.long()].T)
+        assert float((h.double() - ref).abs().max() / ref.abs().max()) < 2e-2  # x's int8 rounding
+
+
 def _host_has(flag: str) -> bool:
     try:
         return flag in Path("/proc/cpuinfo").read_text()
