@@ -185,16 +185,19 @@ def _macros(spec: KernelSpec, isa: str):  # -> (prep_x, row_dot): TVMScript macr
     return prep_x, row_dot
 
 
-def describe_up(spec: KernelSpec, isa: str) -> tirx.PrimFunc:
-    """The one-token ``up`` kernel ``h[j] = act(w[idx[j]] · x)``, arguments ``(x, w, s, idx, h)``."""
+def _up_setup(spec: KernelSpec, isa: str) -> tuple:
+    """Kind ``up``'s constants: (d_model, n_rows, quant dtype, blocks, quant bytes per row, int32 lanes per row,
+    act, (prep_x, row_dot)); refuses a spec this module has no kernel for."""
     if not applies(spec, isa) or spec.kind != "up":
         raise ValueError(f"no integer dot-product kernel for {spec}")
-    d, n = spec.d_model, spec.n_rows
-    qdt = "uint8" if spec.weight_dtype == "int4" else "int8"
     sh = _shape(spec)
-    nb, RB, NL = sh["nb"], sh["RB"], sh["NL"]
-    act = spec.act
-    prep_x, row_dot = _macros(spec, isa)
+    return (spec.d_model, spec.n_rows, "uint8" if spec.weight_dtype == "int4" else "int8", sh["nb"], sh["RB"],
+            sh["NL"], spec.act, _macros(spec, isa))
+
+
+def describe_up(spec: KernelSpec, isa: str) -> tirx.PrimFunc:
+    """The one-token ``up`` kernel ``h[j] = act(w[idx[j]] · x)``, arguments ``(x, w, s, idx, h)``."""
+    d, n, qdt, nb, RB, NL, act, (prep_x, row_dot) = _up_setup(spec, isa)
 
     @T.prim_func(check_well_formed=False)
     def up(xh: T.handle, wh: T.handle, sh_: T.handle, idxh: T.handle, hh: T.handle) -> None:
@@ -230,14 +233,8 @@ def describe_up_batched(spec: KernelSpec, isa: str) -> tirx.PrimFunc:
     then parallel over blocks of ``BATCH_ROWS`` rows: per token, its quants copied into the thread's own buffers,
     then the block's dot products (``row_dot``: the one-token kernel's sums, so a token's result is the same
     alone or beside others; the block's rows come from memory once and from cache for the other tokens)."""
-    if not applies(spec, isa) or spec.kind != "up":
-        raise ValueError(f"no integer dot-product kernel for {spec}")
-    d, n, R = spec.d_model, spec.n_rows, BATCH_ROWS
-    qdt = "uint8" if spec.weight_dtype == "int4" else "int8"
-    sh = _shape(spec)
-    nb, RB, NL = sh["nb"], sh["RB"], sh["NL"]
-    act = spec.act
-    prep_x, row_dot = _macros(spec, isa)
+    d, n, qdt, nb, RB, NL, act, (prep_x, row_dot) = _up_setup(spec, isa)
+    R = BATCH_ROWS
 
     @T.prim_func(check_well_formed=False)
     def up_batch(xh: T.handle, wh: T.handle, sh_: T.handle, idxh: T.handle, hh: T.handle) -> None:
