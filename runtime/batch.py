@@ -23,7 +23,9 @@ accumulators per dot product, the FFN's down sums cut into the fused kernel's ro
 ``batch_predict.py``), so a request's floats are the same alone and beside any others, at every B
 (``tests/test_serve_batch.py`` checks bit for bit and greedy outputs token for token). Its sums run in another
 order than ``Session.generate``'s only in float32 linears (``gemv`` against the one-token linear kernel;
-float16's are equal), so ``serve``'s text can differ from ``run``'s there where two logits are near-tied.
+float16's are equal, and int8 / int4 ones where the CPU has integer dot products: their ``_batch`` form runs
+the one-token kernel's sums per token, ``cpu_qdot.describe_up_batched``), so ``serve``'s text can differ from
+``run``'s there where two logits are near-tied.
 
 ``union_ffn=None`` (``serve --batch-ffn auto``, the default) takes the union FFN where it is exact
 (``batch_ffn.exact_union``: float weights, a ReLU / dReLU FFN) and runs the others per sequence with the
