@@ -20,9 +20,10 @@ bfloat16 GEMM (AMX or AVX512-BF16), where the alternative dequantizes each weigh
 float32 GEMM (~5-10x slower); elsewhere the weights' own dtype (CPUs with AMX-FP16 keep float16; float32
 artifacts keep float32; an artifact without kernels keeps the reference pipeline's exact math). On a CPU
 without a fast bfloat16 GEMM (AVX2 only: AMD Zen 2 / 3, older Intel) "auto" takes ``"float32"``: float32 copies
-of float16 / int8 / int4 GEMM weights made once at load, input-major (``prefill_gemm.gemm_layout``), where they
-fit and cost at most 1/``F32_COPY_SHARE`` of the memory (the 1B: ~4 GiB), else the per-call path (AMD Zen 2,
-2 threads, 1B, 64-token prompt: int4 16 → 36 tok/s, float16 19 → 34). Two bfloat16 forms:
+of float16 / int8 / int4 GEMM weights made once at load, in oneDNN's packed layout (``prefill_gemm.gemm_layout``;
+~130 GFLOPS on two Zen 2 cores at 64 rows, MKL's ~56–90), where they fit and cost at most 1/``F32_COPY_SHARE``
+of the memory (the 1B: ~4 GiB), else the per-call path (AMD Zen 2, 2 threads, 1B, 64-token prompt: int4 18 → 58
+tok/s, float16 20 → 57; 16 tokens: float16 10 → 35). Two bfloat16 forms:
 ``"bfloat16"`` — copies made once at load (quantized weights dequantized, their scales dropped from the prefill
 nodes): the memory of a bfloat16 model besides the artifact's (:func:`copy_bytes`, from the weight file's
 header); ``"bfloat16-stream"`` — no copies, each weight converted per call into one reused buffer
@@ -356,12 +357,14 @@ def _streamed(gm: fx.GraphModule) -> fx.GraphModule:
     return call_directly(gm)
 
 
-def with_compute_dtype(gm: fx.GraphModule, dtype: torch.dtype, streamed: bool = False) -> fx.GraphModule:
+def with_compute_dtype(gm: fx.GraphModule, dtype: torch.dtype, streamed: bool = False,
+                       onednn: bool = True) -> fx.GraphModule:
     """A copy of ``gm`` sharing its other tensors whose linear and FFN GEMMs read ``dtype`` copies of their
     weights (``aten.linear`` and the TVM-lowered ops become picompile's reference ops, which compute in the
     weights' dtype). Every weight is converted once, however many nodes read it. ``streamed``: no copies,
     each float16 / int8 / int4 weight converted to bfloat16 per call into one reused buffer instead
-    (``runtime/prefill_stream.py``; ``dtype`` must be bfloat16)."""
+    (``runtime/prefill_stream.py``; ``dtype`` must be bfloat16). ``onednn``: float32 copies in oneDNN's packed
+    layout (False: input-major, for a graph torch.compile traces; ``prefill_gemm.gemm_layout``)."""
     out = shared_copy(gm)
     if streamed:
         if dtype != torch.bfloat16:
@@ -378,7 +381,7 @@ def with_compute_dtype(gm: fx.GraphModule, dtype: torch.dtype, streamed: bool = 
             if not w.is_floating_point() or w.dtype == dtype:
                 return arg
             attr = f"{name}_{str(dtype).removeprefix('torch.')}"
-            out.register_buffer(attr, gemm_layout(w, dtype) if w.dim() == 2 else w.to(dtype), persistent=False)
+            out.register_buffer(attr, gemm_layout(w, dtype, onednn) if w.dim() == 2 else w.to(dtype), persistent=False)
             with out.graph.inserting_after(arg):
                 converted[name] = out.graph.get_attr(attr)
         return converted[name]
@@ -389,7 +392,7 @@ def with_compute_dtype(gm: fx.GraphModule, dtype: torch.dtype, streamed: bool = 
         name = f"{q.target}_dequantized"
         if name not in converted:
             attr = f"{str(q.target)}_{str(dtype).removeprefix('torch.')}"
-            out.register_buffer(attr, gemm_layout(deq(getattr(out, str(q.target)), getattr(out, str(s.target))), dtype),
+            out.register_buffer(attr, gemm_layout(deq(getattr(out, str(q.target)), getattr(out, str(s.target))), dtype, onednn),
                                 persistent=False)
             with out.graph.inserting_after(q):
                 converted[name] = out.graph.get_attr(attr)
@@ -407,7 +410,7 @@ def with_compute_dtype(gm: fx.GraphModule, dtype: torch.dtype, streamed: bool = 
         return converted[name]
 
     for node in list(out.graph.nodes):
-        packed = pack_ffn(out, node, dtype)
+        packed = pack_ffn(out, node, dtype, onednn)
         if packed is not None:
             _packed_call(out, node, packed)
             continue

@@ -97,7 +97,8 @@ def _compute_dtype(state: LoadState) -> None:
 
     dtype = resolve(state.options.prefill_dtype)
     assert state.prefill is not None and dtype is not None
-    state.prefill = with_compute_dtype(state.prefill, dtype, streamed=state.options.prefill_dtype in STREAMED)
+    state.prefill = with_compute_dtype(state.prefill, dtype, streamed=state.options.prefill_dtype in STREAMED,
+                                       onednn=not state.options.compile)  # inductor cannot trace oneDNN's packed tensors
 
 
 @load_step("kv-arenas", ("decode", "prefill"), "the KV cache in place: presents written into preallocated "

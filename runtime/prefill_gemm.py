@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, fx
 
 from picompile.ir.graph import get_tensor
-from picompile.ir.ops import apply_act
+from picompile.ir.ops import apply_act, gemm
 from picompile.ir.schema import args_of, node_op
 
 
@@ -40,12 +40,12 @@ class PrefillFFN:
         w_out: Tensor,  # [d_model, n_ff]: the down projection, nn.Linear layout
         bias: Optional[Tensor],  # [d_model] float32: the down bias
     ) -> Tensor:
-        h = torch.nn.functional.linear(x.to(w_in.dtype), w_in)  # [..., 2·n_ff | n_ff]
+        h = gemm(x.to(w_in.dtype), w_in)  # [..., 2·n_ff | n_ff]
         up = h[..., : self.n_ff]
         if b_in is not None:
             up = up + b_in.to(h.dtype)
         a = apply_act(up, self.act) if not self.gated else apply_act(h[..., self.n_ff:], self.act) * up  # [..., n_ff]
-        y = torch.nn.functional.linear(a, w_out).to(x.dtype)  # [..., d_model]
+        y = gemm(a, w_out).to(x.dtype)  # [..., d_model]
         return y if bias is None else y + bias
 
     def __repr__(self) -> str:
@@ -97,7 +97,7 @@ def node_parts(node: fx.Node) -> Optional[tuple[list[dict[str, Any]], Any, Optio
 
 
 def _pack_part(gm: fx.GraphModule, part: dict[str, Any], act: str, layer: int,
-               dtype: torch.dtype) -> Optional[tuple[PrefillFFN, dict[str, Optional[Tensor]]]]:
+               dtype: torch.dtype, onednn: bool = True) -> Optional[tuple[PrefillFFN, dict[str, Optional[Tensor]]]]:
     from picompile.ir.ops import deq
 
     def weight(name: str, scales: str) -> Tensor:
@@ -116,21 +116,35 @@ def _pack_part(gm: fx.GraphModule, part: dict[str, Any], act: str, layer: int,
         w_out = weight("w_down", "s_down")  # [d_model, k] already
     else:
         w_out = weight("w_down_t", "s_down").t()  # [k, d_model] → [d_model, k]
-    weights = {"w_in": gemm_layout(w_in, dtype), "b_in": b_in, "w_out": gemm_layout(w_out, dtype)}
+    weights = {"w_in": gemm_layout(w_in, dtype, onednn), "b_in": b_in, "w_out": gemm_layout(w_out, dtype, onednn)}
     return PrefillFFN(layer, act, n_ff, gated), weights
 
 
-def gemm_layout(w: Tensor, dtype: torch.dtype) -> Tensor:
-    """``w`` [d_out, d_in] as a ``dtype`` copy in the layout torch's GEMM reads fastest for ``x @ w.T``: bfloat16
-    (oneDNN) nn.Linear's own, contiguous; float32 (MKL) input-major storage, ``w`` a transposed view of a
-    contiguous [d_in, d_out] (AMD Zen 2, 2 threads, 64 rows: 79 against 56 GFLOPS at [5632, 2048], 89 against 57
-    at [2560, 2048], 72 against 77 at [2048, 5632])."""
-    if dtype == torch.float32:
-        return w.t().to(dtype).contiguous().t()
-    return w.to(dtype).contiguous()
+def gemm_layout(w: Tensor, dtype: torch.dtype, onednn: bool = True) -> Tensor:
+    """``w`` [d_out, d_in] as a ``dtype`` copy in the layout torch's GEMM reads fastest for ``x @ w.T``
+    (``ops.gemm`` computes with any of them): bfloat16, nn.Linear's own, contiguous; float32, oneDNN's packed
+    (blocked) layout where torch has oneDNN, else input-major storage for MKL (``w`` a transposed view of a
+    contiguous [d_in, d_out]; ``onednn=False``: for a graph torch.compile will trace, which cannot read the opaque
+    packed tensors). AMD Zen 2, 2 threads, GFLOPS at 64 / 16 rows: [5632, 2048] packed 128 / 72,
+    input-major 91 / 40, nn.Linear's 56 / —; [2560, 2048] 140 / 108, 94 / 34; [2048, 5632] 130 / 73, 87 / 41."""
+    if dtype != torch.float32:
+        return w.to(dtype).contiguous()
+    packed = _onednn_packed(w) if onednn else None
+    return packed if packed is not None else w.t().to(dtype).contiguous().t()
 
 
-def pack_ffn(gm: fx.GraphModule, node: fx.Node, dtype: torch.dtype) -> Optional[Packed]:
+def _onednn_packed(w: Tensor) -> Optional[Tensor]:
+    """oneDNN's packed float32 copy of ``w`` [d_out, d_in] (an opaque ``torch._mkldnn`` tensor that
+    ``torch.ops.mkldnn._linear_pointwise`` reads), or None where this torch has no oneDNN."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(w.float().contiguous())
+    except (RuntimeError, AttributeError):  # a build without the op: the input-major copy instead
+        return None
+
+
+def pack_ffn(gm: fx.GraphModule, node: fx.Node, dtype: torch.dtype, onednn: bool = True) -> Optional[Packed]:
     """A mask-free FFN node of ``gm`` (a HybridFFN; a sparse_ffn / tvm_sparse_ffn part; an ffn) as one
     ``PrefillFFN`` per part with rows, on weights packed in ``dtype``; None where it is not one (a mask left, a
     part on the GPU, no rows). Parts stay apart, summed as ``merge`` does (hot + cold, then the bias), so a
@@ -139,7 +153,7 @@ def pack_ffn(gm: fx.GraphModule, node: fx.Node, dtype: torch.dtype) -> Optional[
     if found is None:
         return None
     parts, x, bias, act, layer = found
-    packed = [p for p in (_pack_part(gm, part, act, layer, dtype) for part in parts) if p is not None]
+    packed = [p for p in (_pack_part(gm, part, act, layer, dtype, onednn) for part in parts) if p is not None]
     if not packed:
         return None
     return Packed(packed, x, bias)

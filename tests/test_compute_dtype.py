@@ -90,7 +90,7 @@ def test_bfloat16_prefill_logits(f16_cpu_artifact: Path, artifacts: dict, kind: 
 
 def test_float32_prefill_copies(f16_cpu_artifact: Path, checkpoints: dict, tmp_path: Path) -> None:
     """prefill_dtype="float32" (auto's choice on CPUs without a fast bfloat16 GEMM): float32 copies made once,
-    input-major (the layout MKL's float32 GEMM reads fastest), for a float16 and an int4 artifact; the prompt's
+    in oneDNN's packed layout (``prefill_gemm.gemm_layout``), for a float16 and an int4 artifact; the prompt's
     logits are the per-call path's: int4 (dequantized to the same float32 values per call) within float32
     summation order; float16 within float16 rounding (the per-call path computes a short prompt's GEMMs in
     float16, ``ops.lin``); greedy text equal."""
@@ -103,7 +103,9 @@ def test_float32_prefill_copies(f16_cpu_artifact: Path, checkpoints: dict, tmp_p
         weights = _gemm_weights(copies.prefill_graph) + [
             get_tensor(copies.prefill_graph, n.args[i]) for n in copies.prefill_graph.graph.nodes
             if n.op == "call_function" and isinstance(n.target, PrefillFFN) for i in (1, 3)]
-        assert weights and all(w.dtype == torch.float32 and w.t().is_contiguous() for w in weights)
+        # oneDNN's packed layout where torch has oneDNN, else input-major storage
+        assert weights and all(w.dtype == torch.float32 and (w.is_mkldnn or w.t().is_contiguous()) for w in weights)
+        assert all(w.is_mkldnn for w in weights if w.shape[0]) == torch.backends.mkldnn.is_available()  # (an empty part stays)
         want, got = per_call.logits(PROMPT), copies.logits(PROMPT)
         assert float((got - want).abs().max() / want.abs().max()) < tol
         assert copies.generate(PROMPT, 6, stop_at_eos=False) == per_call.generate(PROMPT, 6, stop_at_eos=False)

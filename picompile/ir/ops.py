@@ -47,6 +47,14 @@ def native_half_gemm() -> bool:
     return bool(torch.cpu._is_amx_tile_supported() or torch.cpu._is_amx_fp16_supported())
 
 
+def gemm(x: Tensor, w: Tensor, b: Optional[Tensor] = None) -> Tensor:
+    """``F.linear(x, w, b)`` with ``w`` [d_out, d_in] in x's dtype, stored as prefill's copies store it
+    (``runtime/prefill_gemm.gemm_layout``): dense (any strides) or oneDNN's packed float32 layout."""
+    if w.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, b, "none", [], "")
+    return torch.nn.functional.linear(x, w, b)
+
+
 def lin(x: Tensor, w: Tensor, b: Optional[Tensor] = None) -> Tensor:
     """``F.linear`` for weights stored narrower than ``x`` (float16 artifacts), returned in x's dtype.
 
@@ -54,7 +62,7 @@ def lin(x: Tensor, w: Tensor, b: Optional[Tensor] = None) -> Tensor:
     float16 GEMM, or a contiguous weight and few rows of x); otherwise the weight is widened to x's dtype
     for this call, which never hands torch a transposed float16 weight on a CPU without its fast path."""
     if w.dtype == x.dtype:
-        return torch.nn.functional.linear(x, w, b)
+        return gemm(x, w, b)
     rows = x.numel() // max(x.shape[-1], 1)
     if w.dtype != torch.float16 or native_half_gemm() or (w.is_contiguous() and rows < WIDEN_ROWS):  # bfloat16: AMX/AVX512-BF16
         return torch.nn.functional.linear(x.to(w.dtype), w, None if b is None else b.to(w.dtype)).to(x.dtype)
