@@ -144,14 +144,14 @@ def choose(name: str | None, weight_dtype: str, copy_bytes: int, kernels: bool =
     int8 / int4 weights: bfloat16 on any CPU with a fast bfloat16 GEMM (AMX or AVX512-BF16): their own path
     dequantizes every weight to float32 per call and runs a float32 GEMM, 5–10x slower on the 1B model here.
     Either with copies only where they fit and are small (``_copy_or_stream``); otherwise streamed: each weight
-    converted per call into one buffer (``runtime/prefill_stream.py``)."""
+    converted per call into one buffer (``runtime/prefill_stream.py``). Without a fast bfloat16 GEMM: float32
+    copies where they fit (``_float32_copy``), else the weights' own per-call path."""
     if name not in (None, "auto"):
         resolve(name)
         return (None, "prefill_dtype='weights'") if name == "weights" else (name, f"prefill_dtype={name!r}")
     if not kernels:
         return None, "auto: an artifact of reference ops (no kernels) keeps the reference math"
     if weight_dtype in QUANTIZED:
-        per_call = f"({weight_dtype} weights dequantized to float32 per call)"
         if not has_bf16_gemm():
             return _float32_copy(weight_dtype, copy_bytes, loading_bytes)
         copy, why = _copy_or_stream(copy_bytes, loading_bytes)
