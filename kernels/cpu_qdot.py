@@ -102,6 +102,17 @@ def _permute16(isa: str, v: tirx.PrimExpr, idx: tirx.PrimExpr) -> tirx.PrimExpr:
     return _concat(out[0], out[1], 8)
 
 
+def _sign_of(isa: str, xv: tirx.PrimExpr, q: tirx.PrimExpr) -> tirx.PrimExpr:
+    """int8 sign transfer over 64 lanes: ``-xv`` where ``q < 0``, else ``xv`` (where q = 0 its |q| = 0 zeroes the
+    product anyway). AVX2: one ``vpsignb`` per 32-byte half (which also zeroes those lanes); AVX-512 has no
+    ``vpsignb``: a compare and a masked negate."""
+    if isa == "avx2":
+        return _concat(*(tirx.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.psign.b", _lanes(xv, 32 * h, 32),
+                                                    _lanes(q, 32 * h, 32)) for h in range(2)), 32)
+    zero = tirx.Broadcast(tirx.const(0, "int8"), 64)
+    return tirx.Select(q < zero, zero - xv, xv)
+
+
 def _act(act: str, v: tirx.PrimExpr) -> tirx.PrimExpr:
     if act == "relu":
         return tirx.max(v, tirx.const(0.0, "float32"))
@@ -174,7 +185,7 @@ def _macros(spec: KernelSpec, isa: str):  # -> (prep_x, row_dot): TVMScript macr
                                     hi, xb[T.ramp(g * GB + cc * 64, 1, 64)]))
                 else:
                     xv = T.bind(xa[T.ramp(g * GB + cc * 64, 1, 64)])
-                    sx = T.bind(T.Select(q < T.Broadcast(T.int8(0), 64), T.Broadcast(T.int8(0), 64) - xv, xv))
+                    sx = T.bind(_sign_of(isa, xv, q))
                     iv = T.bind(dot(isa, zero16, T.reinterpret("uint8x64", T.abs(q)), sx))
                 lane_blk = T.bind(T.floordiv(T.ramp(cc * 64, 4, 16), T.Broadcast(HB, 16)))
                 sc = T.bind(_permute16(isa, sw, lane_blk))
