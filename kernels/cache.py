@@ -189,9 +189,10 @@ def _compile_cpu(spec: KernelSpec, out: Path, mcpu: str | None = None, integer_d
             arg_names = desc.arg_names
         name = key + ("_batch" if batched else "")
         isa = cpu_qdot.isa_for(cpu.host_target(mcpu)) if spec.quantized and integer_dot else None
-        if cpu_qdot.applies(spec, isa) and not batched:  # one token: integer dot products (VNNI / AVX512-BW / AVX2)
+        qdot = isa is not None and cpu_qdot.applies(spec, isa)
+        if qdot and not batched:  # one token: integer dot products (VNNI / AVX512-BW / AVX2)
             funcs[name] = cpu_qdot.describe(spec, isa, cpu.build_cores()).with_attr("global_symbol", name)
-        elif cpu_qdot.applies(spec, isa) and spec.kind == "up":  # several tokens: the same sums per token
+        elif qdot and spec.kind == "up":  # several tokens: the same sums per token
             funcs[name] = cpu_qdot.describe_up_batched(spec, isa).with_attr("global_symbol", name)
         else:
             funcs[name] = cpu.as_named(cpu.schedule(desc, spec), name)

@@ -113,20 +113,20 @@ def _fits(copy_bytes: int, loading_bytes: int = 0, kind: str = "bfloat16") -> tu
 COPY_SHARE = 8  # "auto" takes bfloat16 copies only where they cost at most 1/COPY_SHARE of the machine's memory
 
 
-def _copy_or_stream(copy_bytes: int, loading_bytes: int, kind: str = "bfloat16",
-                    share: int = 0) -> tuple[bool, str]:
+def _copy_or_stream(copy_bytes: int, loading_bytes: int, kind: str = "bfloat16", share: int = COPY_SHARE,
+                    per_call: str = "converted to bfloat16") -> tuple[bool, str]:
     """Whether "auto" takes the bfloat16 copy (it fits, ``_fits``, and costs at most an eighth of the machine's
     memory: a small model's copies buy ~20 % faster short prompts for little) or streams the weights instead
-    (``runtime/prefill_stream.py``: the same GEMMs, no copy), and why it streams."""
+    (``runtime/prefill_stream.py``: the same GEMMs, no copy), and why it streams. ``kind`` names the copy's dtype,
+    ``share`` the memory fraction (1/share) it may cost, ``per_call`` what happens to each weight without it."""
     total = _meminfo().get("MemTotal", 0)
-    share = share or COPY_SHARE
     fits, why = _fits(copy_bytes, loading_bytes, kind)
     if fits and copy_bytes <= total // share:
         return True, ""
     if fits:
         why = (f"a {kind} copy ({copy_bytes / 2**30:.1f} GiB) would be more than 1/{share} of the "
                f"machine's {total / 2**30:.1f} GiB")
-    return False, f"{why}: each weight converted to {kind} per call instead (no copy)"
+    return False, f"{why}: each weight {per_call} per call instead (no copy)"
 
 
 def choose(name: str | None, weight_dtype: str, copy_bytes: int, kernels: bool = True,
@@ -183,9 +183,9 @@ def _float32_copy(weight_dtype: str, copy_bytes: int, loading_bytes: int) -> tup
     (AMD Zen 2, 2 threads, a [5632, 2048] weight and 64 tokens: int4 dequantized 45 ms, float16 widened 14 ms,
     the float32 GEMM 26 ms)."""
     how = "dequantized" if weight_dtype in QUANTIZED else "widened"
-    copy, why = _copy_or_stream(2 * copy_bytes, loading_bytes, "float32", F32_COPY_SHARE)
+    copy, why = _copy_or_stream(2 * copy_bytes, loading_bytes, "float32", F32_COPY_SHARE, f"{how} to float32")
     if not copy:
-        return None, f"auto: no AMX or AVX512-BF16 here; {why.replace('converted to float32', how + ' to float32')}"
+        return None, f"auto: no AMX or AVX512-BF16 here; {why}"
     return "float32", (f"auto: no AMX or AVX512-BF16 here: float32 copy {2 * copy_bytes / 2**30:.1f} GiB, "
                        f"{weight_dtype} weights {how} once at load")
 
