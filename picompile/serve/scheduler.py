@@ -11,7 +11,8 @@ decode step of every active request. A long prompt therefore delays the others' 
 prefill, not by its whole prefill. The last chunk's logits give the request's first token, and it joins that
 iteration's decode step. A cancelled request (a client gone mid-stream) leaves at the next iteration and its
 slot is free for the next one. ``close(grace)`` admits nothing more, lets the requests in flight run for
-``grace`` seconds and cancels what is left, each with an error event, so no client is left waiting.
+``grace`` seconds and cancels what is left, each with an error event, so no client is left waiting (should the
+engine be inside a long step then, a timer sends those events half a second later without it).
 
 ``trace=True`` records what the engine did, in order (``("prefill", rid, start, n)`` per chunk, ``("token",
 rid, n_tokens)`` per token released): the tests read the interleaving from it.
@@ -28,6 +29,11 @@ from typing import Any
 
 from picompile.runtime.batch import BatchRunner
 from picompile.runtime.sampling import Generation, SamplingParams
+
+
+STALL_MARGIN = 0.5  # seconds past the shutdown deadline after which streams are ended without the engine
+SHUT_DOWN = "the server shut down before this request finished"
+NOT_STARTED = "the server shut down before this request started"
 
 
 class QueueFull(Exception):
@@ -115,10 +121,29 @@ class Scheduler:
             self.cond.notify()
 
     def close(self, grace: float) -> None:
-        """Admit nothing more; cancel what is still running after ``grace`` seconds."""
+        """Admit nothing more; cancel what is still running after ``grace`` seconds. The engine cancels at its
+        next iteration; should it still be inside a step ``STALL_MARGIN`` seconds past the deadline (a step
+        slowed down by a loaded machine), a timer ends the clients' streams from outside the engine, so a
+        shutdown never waits on the engine."""
         with self.cond:
             self.closing = True
             self.deadline = min(self.deadline, time.monotonic() + grace)
+            self.cond.notify()
+            wait = max(0.0, self.deadline - time.monotonic()) + STALL_MARGIN
+        timer = threading.Timer(wait, self._end_stalled_streams)
+        timer.daemon = True
+        timer.start()
+
+    def _end_stalled_streams(self) -> None:
+        """Past the deadline and its margin: an error event to every request the engine has not ended yet (each
+        client stops at its first final event; what the engine sends later goes to a queue nobody reads)."""
+        with self.cond:
+            for r in [*self.waiting, *self.prefilling, *self.active]:
+                if not r.cancelled:
+                    r.cancel()
+                    n = len(r.gen.tokens) if r.gen is not None else 0
+                    self._emit(r, Event(finish_reason=None, completion_tokens=n,
+                                        error=SHUT_DOWN if r.slot >= 0 else NOT_STARTED))
             self.cond.notify()
 
     def join(self, timeout: float | None = None) -> None:
@@ -152,18 +177,15 @@ class Scheduler:
         for r in list(self.active):
             if r.cancelled or expired:
                 self.active.remove(r)
-                self._finish(r, "the server shut down before this request finished" if expired and not r.cancelled
-                             else None)
+                self._finish(r, SHUT_DOWN if expired and not r.cancelled else None)
         for r in list(self.prefilling):
             if r.cancelled or expired:
                 self.prefilling.remove(r)
-                self._finish(r, "the server shut down before this request finished" if expired and not r.cancelled
-                             else None)
+                self._finish(r, SHUT_DOWN if expired and not r.cancelled else None)
         for r in list(self.waiting):
             if r.cancelled or expired:
                 self.waiting.remove(r)
-                self._finish(r, "the server shut down before this request started" if expired and not r.cancelled
-                             else None)
+                self._finish(r, NOT_STARTED if expired and not r.cancelled else None)
         admit = []
         while self.waiting and self.free:
             r = self.waiting.popleft()
