@@ -26,7 +26,7 @@ from .spec import KERNEL_ABI_VERSION, KernelSpec
 _build_count: int = 0  # compilations done by this process (tests check cache hits with it)
 # the modules whose code decides a compiled kernel's instructions (kernels/*.py that import TVM)
 CODEGEN_MODULES: tuple[str, ...] = ("compute.py", "cpu.py", "cpu_rewrite.py", "cpu_qdot.py", "cuda.py", "input_sparse.py",
-                                     "batch_gemv.py", "dequant.py")
+                                     "batch_gemv.py", "dequant.py", "cpu_prefill.py")
 
 
 def codegen_fingerprint() -> str:
@@ -164,6 +164,18 @@ def _compile_cpu(spec: KernelSpec, out: Path, mcpu: str | None = None, integer_d
         mod = tvm.IRModule({key: dequant.describe(spec, cpu.build_cores(), target).with_attr("global_symbol", key)})
         tvm.compile(mod, target=target).export_library(str(out))
         names = ["w_up", "s_up", "out"] if spec.quantized else ["w_up", "out"]
+        return {"batched": False, "arg_names": names, "functions": [key]}
+    if spec.kind in ("prefill_up", "prefill_down"):  # several tokens, rows symbolic, one form (kernels/cpu_prefill.py)
+        from . import cpu_prefill
+
+        target = cpu.host_target(mcpu)
+        isa = cpu_qdot.isa_for(target) if integer_dot else None
+        if not cpu_prefill.applies(spec, isa):
+            raise ValueError(f"no {spec.kind} kernel for this spec on {target} (cpu_prefill.applies)")
+        mod = tvm.IRModule({key: cpu_prefill.describe(spec, isa, cpu.build_cores()).with_attr("global_symbol", key)})
+        tvm.compile(mod, target=target).export_library(str(out))
+        names = (["x", "w_up", "s_up", "g", "h"] if spec.kind == "prefill_up"
+                 else ["h", "rowptr", "tok", "w_down_t", "s_down", "y"])  # = loader._signature's order
         return {"batched": False, "arg_names": names, "functions": [key]}
     if spec.kind in ("gemv", "gemv_down"):  # several tokens, one form (kernels/batch_gemv.py), under both names
         from . import batch_gemv

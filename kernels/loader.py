@@ -23,6 +23,7 @@ import mmap
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -275,6 +276,16 @@ def _signature(spec: KernelSpec, batched: bool) -> list[_Arg]:
             spec.weight_dtype, _Arg("w_up", w, ("r", d)))
         scales = [_Arg("s_up", torch.float16, ("r", d // spec.block))] if spec.quantized else []
         return [q, *scales, _Arg("out", torch.bfloat16, ("r", d))]
+    if spec.kind in ("prefill_up", "prefill_down"):  # rows "r" symbolic, several tokens (kernels/cpu_prefill.py)
+        q = _Arg("", torch.int8, ("r", d)) if spec.weight_dtype == "int8" else _Arg("", torch.uint8, ("r", d // 2))
+        s = _Arg("", torch.float16, ("r", d // spec.block))
+        if spec.kind == "prefill_up":
+            return [_Arg("x", torch.float32, ("t", d)), dataclasses.replace(q, name="w_up"),
+                    dataclasses.replace(s, name="s_up"), _Arg("g", torch.float32, ("t", "r")),
+                    _Arg("h", torch.float32, ("r", "t"))]
+        return [_Arg("h", torch.float32, ("r", "t")), _Arg("rowptr", torch.int32, ("r1",)),
+                _Arg("tok", torch.int32, ("nnz",)), dataclasses.replace(q, name="w_down_t"),
+                dataclasses.replace(s, name="s_down"), _Arg("y", torch.float32, ("t", d))]
     if spec.kind == "gemv":  # several tokens in both forms (kernels/batch_gemv.py)
         return [_Arg("x", torch.float32, ("t", d)), _Arg("w_up", w, (n, d)), _Arg("idx", torch.int32, ("k",)),
                 _Arg("h", torch.float32, ("t", "k"))]
@@ -339,6 +350,8 @@ CALL_ARGS: dict[str, tuple[str, ...]] = {
     "gemv": ("x", "w_up", "idx", "h"),
     "gemv_down": ("h", "w_down_t", "idx", "y"),
     "dequant": ("w_up", "out"),
+    "prefill_up": ("x", "w_up", "g", "h"),
+    "prefill_down": ("h", "rowptr", "tok", "w_down_t", "y"),
 }
 
 
@@ -408,7 +421,7 @@ class SparseKernel:
         return named
 
     def _is_batched(self, named: dict[str, torch.Tensor | None]) -> bool:
-        if self.spec.kind == "dequant":
+        if self.spec.kind in ("dequant", "prefill_up", "prefill_down"):  # one form
             return False
         first = named["h"] if self.spec.kind in ("down", "gemv_down") else named["x"]
         return isinstance(first, torch.Tensor) and first.dim() == 2
@@ -448,7 +461,7 @@ class SparseKernel:
         return ordered
 
     def _launch(self, ordered: list[torch.Tensor], batched: bool) -> None:
-        if self.spec.kind not in ("predict", "input_sparse", "dequant") and ordered[-2].numel() == 0:  # ordered[-2] is idx: k = 0, no active row
+        if self.spec.kind not in ("predict", "input_sparse", "dequant", "prefill_up", "prefill_down") and ordered[-2].numel() == 0:  # ordered[-2] is idx: k = 0, no active row
             # y = 0 and h is empty. The compiled functions handle k = 0 themselves (one code path for
             # every k), but TVM rejects the strides torch gives an empty [t, 0] tensor and a CUDA grid
             # of 0 blocks is an invalid launch, so the trivial result is written here.

@@ -53,12 +53,12 @@ from dataclasses import asdict, dataclass
 from typing import Literal
 
 KernelKind = Literal["ffn_relu", "ffn_gated", "up", "up_gated", "down", "predict", "input_sparse", "gemv", "gemv_down",
-                     "dequant"]
+                     "dequant", "prefill_up", "prefill_down"]
 Activation = Literal["relu", "silu", "drelu", "none"]
 WeightDType = Literal["float32", "float16", "int8", "int4"]
 
 KINDS: tuple[str, ...] = ("ffn_relu", "ffn_gated", "up", "up_gated", "down", "predict", "input_sparse", "gemv", "gemv_down",
-                          "dequant")
+                          "dequant", "prefill_up", "prefill_down")
 ACTS: tuple[str, ...] = ("relu", "silu", "drelu", "none")
 WEIGHT_DTYPES: tuple[str, ...] = ("float32", "float16")  # float weights (every kind, CPU and CUDA)
 QUANT_DTYPES: tuple[str, ...] = ("int8", "int4")  # quantized weights, layout: kernels/qformat.py
@@ -176,6 +176,10 @@ class KernelSpec:
         if self.kind in ("gemv", "gemv_down"):  # kernels/batch_gemv.py
             if self.is_cuda or self.quantized or self.has_bias or self.act != "none":
                 raise KernelSpecError(f"kind {self.kind!r} is CPU (llvm), float32/float16, act 'none', no bias")
+        if self.kind in ("prefill_up", "prefill_down"):  # kernels/cpu_prefill.py
+            if self.is_cuda or self.has_bias or self.act != "none" or not self.quantized or self.n_rows != 1:
+                raise KernelSpecError(f"kind {self.kind!r} is CPU (llvm), int8/int4, act 'none', no bias, n_rows 1 "
+                                      "(its rows are symbolic)")
         if self.lanes:
             if self.kind != "gemv":
                 raise KernelSpecError(f"lanes is for kind 'gemv' only, got lanes={self.lanes} for {self.kind!r}")
@@ -213,7 +217,7 @@ class KernelSpec:
 
     @property
     def has_up(self) -> bool:
-        return self.kind not in ("down", "predict", "input_sparse", "gemv", "gemv_down", "dequant")
+        return self.kind not in ("down", "predict", "input_sparse", "gemv", "gemv_down", "dequant", "prefill_down")
 
     @property
     def has_down(self) -> bool:

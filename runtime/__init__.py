@@ -10,7 +10,7 @@ from picompile.runtime.session import Session
 def load(path: str | Path, verify: bool = True, dense: bool = False, hybrid: str = "auto",
          compile: bool = False, prefill_dtype: str | None = None, *, print_after: Sequence[str] = (),
          dump_ir: str | Path | None = None, emit: Callable[[str], None] = print, kernels: str = "local",
-         weights: str = "copied", native: bool = True) -> Session:
+         weights: str = "copied", native: bool = True, sparse_prefill: bool = True) -> Session:
     """Load an artifact directory: check its manifest version and checksums, bind weights, return a Session.
 
     ``dense=True`` computes every FFN neuron (predictors dropped): the artifact's own dense reference.
@@ -42,6 +42,9 @@ def load(path: str | Path, verify: bool = True, dense: bool = False, hybrid: str
     (``session.graph.meta["realigned_bytes"]``): resident memory is what the page cache holds of the file.
     ``native``: decode calls its CPU kernels through the C++ ops (``runtime/native.py``; default); False keeps
     the Python kernel calls (each one seen by ``picompile.kernels.table.KERNEL_TABLE``: recording, replay).
+    ``sparse_prefill``: a ReLU FFN's prompt tokens computed only where their gate fired (int8 / int4 weights,
+    load step ``sparse-prefill-ffn``, ``runtime/prefill_sparse.py``; default; ``session.sparse_prefill_parts``
+    counts them); False keeps the dense GEMMs. The same maths either way (up's dot products integer).
     """
     from picompile.errors import InputError
 
@@ -74,7 +77,8 @@ def load(path: str | Path, verify: bool = True, dense: bool = False, hybrid: str
 
         hybrid = transparent_mode(hybrid, Target.from_json(manifest.target).has_gpu)
     options = load_options(manifest, dense=dense, hybrid=hybrid, direct=True, compile=compile,
-                           prefill_dtype=prefill_dtype, mapped_weights=weights == "mapped", native=native)
+                           prefill_dtype=prefill_dtype, mapped_weights=weights == "mapped", native=native,
+                           sparse_prefill=sparse_prefill)
     # an unknown print_after name fails here, before the graph is read
     run = LoadRun(load_steps(options), print_after=list(print_after), dump_ir=_path(dump_ir), emit=emit)
     graph = load_graph(root, manifest, dense=dense, hybrid=hybrid, direct=True, run=run, kernels=kernels,
@@ -85,7 +89,7 @@ def load(path: str | Path, verify: bool = True, dense: bool = False, hybrid: str
 
         tokenizer = load_tokenizer_entry(manifest.tokenizer, root)
     return Session(root, manifest, graph, tokenizer, compile=compile, prefill_dtype=prefill_dtype, load_run=run,
-                   prefill_reason=prefill_reason, native=native)
+                   prefill_reason=prefill_reason, native=native, sparse_prefill=sparse_prefill)
 
 
 def _path(p: str | Path | None) -> Optional[Path]:

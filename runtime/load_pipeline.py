@@ -47,6 +47,7 @@ class LoadOptions:
     kernels: bool = False  # the artifact has TVM kernels (session steps: eager decode calls them through C++ ops)
     mapped_weights: bool = False  # weights left on the file's mapping (only misaligned ones copied)
     dense_prefill: bool = True  # prefill computes every neuron (decode runs the masks)
+    sparse_prefill: bool = True  # (dense prefill) a ReLU FFN's up / down rows only where its gate fired (prefill_sparse.py)
     prefill_dtype: Optional[str] = None  # "bfloat16": prefill's GEMMs on bfloat16 weight copies; "bfloat16-stream": without
     kv_in_place: bool = True  # the KV cache in preallocated arenas
     last_logits: bool = True  # (eager) prefill can compute lm_head for the last position only (logit_rows.py)
@@ -129,6 +130,8 @@ def graph_steps(o: LoadOptions) -> list[str]:
 def session_steps(o: LoadOptions) -> list[str]:
     """The steps a ``Session`` runs to make its prefill and decode forms of the loaded graph."""
     steps = ["dense-prefill"] if o.dense_prefill else []
+    steps += ["sparse-prefill-ffn"] if (o.dense_prefill and o.sparse_prefill and o.kernels and not o.compile
+                                        and o.prefill_dtype in ("float32", "bfloat16")) else []
     steps += ["compute-dtype"] if o.prefill_dtype is not None else []
     steps += ["kv-arenas"] if o.kv_in_place else []
     steps += ["last-logits"] if o.last_logits and not o.compile else []

@@ -3,7 +3,7 @@
 Graph steps (``load_graph``: the ``graph`` as read from graph.pt2):
 flatten-signature, bind-weights, align-weights, drop-masks, schedule-hybrid, drop-metadata-asserts,
 drop-noop-ops, call-directly. Session steps (``Session``: its ``prefill`` and ``decode`` forms of that graph):
-dense-prefill, compute-dtype, kv-arenas, last-logits, opaque-calls, inline-trivial, native-calls, native-glue, decode-attention.
+dense-prefill, sparse-prefill-ffn, compute-dtype, kv-arenas, last-logits, opaque-calls, inline-trivial, native-calls, native-glue, decode-attention.
 Which of them a load runs: ``load_pipeline.graph_steps`` / ``session_steps``.
 """
 from __future__ import annotations
@@ -88,6 +88,19 @@ def _dense_prefill(state: LoadState) -> None:
     assert state.prefill is not None
     state.prefill = without_masks(state.prefill)
     state.notes["dense_prefill"] = state.prefill is not state.graph  # False: no mask to drop
+
+
+@load_step("sparse-prefill-ffn", ("prefill",), "prefill's ReLU FFNs on int8 / int4 rows: the gate GEMM on a copy, "
+           "then the up and down rows only where a gate fired (notes sparse_prefill_parts; skipped reasons in "
+           "gm.meta['sparse_prefill_skipped'])")
+def _sparse_prefill_ffn(state: LoadState) -> None:
+    from picompile.ir.graph import shared_copy
+    from picompile.runtime.prefill_sparse import sparse_prefill_ffn
+
+    assert state.prefill is not None and state.options.prefill_dtype is not None
+    if state.prefill is state.graph or state.prefill is state.decode:  # those keep their FFN nodes
+        state.prefill = shared_copy(state.prefill)
+    state.notes["sparse_prefill_parts"] = sparse_prefill_ffn(state.prefill, state.options.prefill_dtype)
 
 
 @load_step("compute-dtype", ("prefill",), "prefill's GEMMs in the prefill dtype: on copies of their weights, or "

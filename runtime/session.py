@@ -37,7 +37,7 @@ class Session:
     def __init__(self, root: Path, manifest: Manifest, graph: fx.GraphModule, tokenizer: Any | None, *,
                  compile: bool = False, kv_in_place: bool = True, dense_prefill: bool = True,
                  prefill_dtype: str | None = None, load_run: LoadRun | None = None,
-                 prefill_reason: str | None = None, native: bool = True) -> None:
+                 prefill_reason: str | None = None, native: bool = True, sparse_prefill: bool = True) -> None:
         self.root = root
         self.manifest = manifest
         self.graph = graph  # the graph as loaded (inspect it, interpret it): functional, past in, presents out
@@ -58,10 +58,13 @@ class Session:
         self.prefill_reason: str = prefill_reason  # why (runtime/compute_dtype.choose)
         self._compiled = compile
         state = self._run_steps(LoadOptions(dense_prefill=dense_prefill, prefill_dtype=prefill_dtype,
+                                            sparse_prefill=sparse_prefill,
                                             kv_in_place=kv_in_place, compile=compile, native=native,
                                             kernels=bool(manifest.sections.get("kernels"))), load_run)
         notes = state.notes
         self.dense_prefill: bool = bool(notes.get("dense_prefill", False))  # prefill runs a mask-free copy
+        # FFN parts whose prefill computes up / down only where a ReLU gate fired (runtime/prefill_sparse.py)
+        self.sparse_prefill_parts: int = int(notes.get("sparse_prefill_parts", 0))
         self.kv: KVArenas | None = notes.get("kv")  # the in-place KV cache (None: every step concatenates the past)
         self.kv_reason: str = notes.get("kv_reason", "kv_in_place=False")
         # lm_head for the last prompt position only, when a caller asks (runtime/logit_rows.py; None: every row)

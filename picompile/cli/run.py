@@ -28,6 +28,9 @@ def add_load_arguments(p: argparse.ArgumentParser) -> None:
                         "cost at most an eighth of the memory, streamed otherwise; on CPUs without either: "
                         "float32, copies made once where they cost at most a quarter of the memory); "
                         "decode is unchanged")
+    p.add_argument("--dense-prefill-ffn", action="store_true",
+                   help="compute every up / down row of a ReLU FFN in prefill (default: only the neurons whose gate "
+                        "fired, for int8 / int4 weights; the same maths)")
     p.add_argument("--trust-kernels", action="store_true",
                    help="load the artifact's own compiled kernel libraries (native code: only from a builder you "
                         "trust) instead of compiling them here from their specs (default; cached after the first load)")
@@ -46,6 +49,7 @@ def load_kwargs(args: argparse.Namespace, to_stderr: bool = False) -> dict[str, 
         out.flush()
 
     return dict(hybrid=args.hybrid, compile=args.compile, prefill_dtype=args.prefill_dtype,
+                sparse_prefill=not args.dense_prefill_ffn,
                 print_after=split_names(args.print_after), dump_ir=Path(args.dump_ir) if args.dump_ir else None,
                 emit=emit, kernels="artifact" if args.trust_kernels else "local")
 
