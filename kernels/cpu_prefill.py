@@ -43,7 +43,7 @@ def chunk_columns(d: int, block: int, parts: int) -> int:
     64 rows with 128-column sub-chunks 1.5x slower: the tokens' y of a chunk must stay near L1.)"""
     fits = [c for c in (256, 128, 64, 32) if c % block == 0 and d % c == 0]
     wide = [c for c in fits if d // c >= parts]
-    return (wide or fits or [0])[0]
+    return (wide or fits[-1:] or [0])[0]  # too narrow for `parts` tasks: as many as there can be
 
 
 def applies(spec: KernelSpec, isa: str | None) -> bool:

@@ -4,7 +4,7 @@ Like the build's pass pipeline (``picompile/pipeline.py``), a load runs named st
 runner lints the graph after each, prints it after the steps named in ``print_after``, writes one
 ``NNN_step.txt`` file per step to ``dump_ir`` and names the step in any error. Each rewrite stays in its
 module (``loader.py``, ``masks.py``, ``hybrid.py``, ``kv_cache.py``, ``compute_dtype.py``, ``logit_rows.py``, ``compile.py``,
-``native.py``, ``native_glue.py``, ``decode_attention.py``); its entry in ``LOAD_STEPS`` (``load_steps.py``) gives it a name.
+``native.py``, ``native_glue.py``, ``decode_attention.py``, ``prefill_sparse.py``); its entry in ``LOAD_STEPS`` (``load_steps.py``) gives it a name.
 
 A load rewrites up to three graphs (``LoadState``): ``graph``, the decoder step as loaded
 (``Session.graph``: functional, past in, presents out), then ``prefill`` and ``decode``, the forms a

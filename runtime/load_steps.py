@@ -91,8 +91,8 @@ def _dense_prefill(state: LoadState) -> None:
 
 
 @load_step("sparse-prefill-ffn", ("prefill",), "prefill's ReLU FFNs on int8 / int4 rows: the gate GEMM on a copy, "
-           "then the up and down rows only where a gate fired (notes sparse_prefill_parts; skipped reasons in "
-           "gm.meta['sparse_prefill_skipped'])")
+           "then the up and down rows only where a gate fired (notes sparse_prefill_parts, and "
+           "sparse_prefill_skipped: why an FFN was left to the dense GEMMs)")
 def _sparse_prefill_ffn(state: LoadState) -> None:
     from picompile.ir.graph import shared_copy
     from picompile.runtime.prefill_sparse import sparse_prefill_ffn
@@ -100,7 +100,8 @@ def _sparse_prefill_ffn(state: LoadState) -> None:
     assert state.prefill is not None and state.options.prefill_dtype is not None
     if state.prefill is state.graph or state.prefill is state.decode:  # those keep their FFN nodes
         state.prefill = shared_copy(state.prefill)
-    state.notes["sparse_prefill_parts"] = sparse_prefill_ffn(state.prefill, state.options.prefill_dtype)
+    parts, skipped = sparse_prefill_ffn(state.prefill, state.options.prefill_dtype)
+    state.notes.update(sparse_prefill_parts=parts, sparse_prefill_skipped=skipped)
 
 
 @load_step("compute-dtype", ("prefill",), "prefill's GEMMs in the prefill dtype: on copies of their weights, or "

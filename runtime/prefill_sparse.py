@@ -12,7 +12,7 @@ dense prefill FFN (two float32 GEMMs on packed copies) 33.7 ms, this 11.3 (gate 
 + 3.7 (down) ms. The copies it needs are the gate's alone (a third of the FFN's float32 copies).
 
 Applies where every condition holds, else the node is left to ``compute-dtype``'s dense GEMMs (the reason kept
-in ``gm.meta["sparse_prefill_skipped"]``): act ``relu`` (gated: on the gate; else on up), no gate bias,
+in ``session.sparse_prefill_skipped``): act ``relu`` (gated: on the gate; else on up), no gate bias,
 int8 / int4 weights, a CPU whose integer dot products ``cpu_qdot`` has (AVX2 and up; non-gated needs only the
 down kernel), the prefill dtype a copy dtype (float32 / bfloat16).
 """
@@ -28,7 +28,6 @@ from torch import Tensor, fx
 from picompile.ir.graph import get_tensor
 from picompile.ir.ops import gemm
 
-SKIPPED_KEY: str = "sparse_prefill_skipped"
 COPY_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -105,16 +104,16 @@ def _why_not(part: dict[str, Any], gm: fx.GraphModule, act: str) -> str:
     return ""
 
 
-def sparse_prefill_ffn(gm: fx.GraphModule, prefill_dtype: str) -> int:
-    """Rewrite ``gm``'s eligible FFN nodes in place (module docstring); the number of parts rewritten."""
+def sparse_prefill_ffn(gm: fx.GraphModule, prefill_dtype: str) -> tuple[int, list[str]]:
+    """Rewrite ``gm``'s eligible FFN nodes in place (module docstring): the number of parts rewritten, and why
+    each FFN left as it was was left."""
     from picompile.ir.ops import deq
     from picompile.runtime.prefill_gemm import gemm_layout, node_parts
 
     dtype = COPY_DTYPES.get(prefill_dtype)
-    skipped: list[str] = gm.meta.setdefault(SKIPPED_KEY, [])
+    skipped: list[str] = []
     if dtype is None:
-        skipped.append(f"prefill dtype {prefill_dtype!r} makes no weight copies")
-        return 0
+        return 0, [f"prefill dtype {prefill_dtype!r} makes no weight copies"]
     done = 0
     for node in list(gm.graph.nodes):
         found = node_parts(node)
@@ -149,7 +148,7 @@ def sparse_prefill_ffn(gm: fx.GraphModule, prefill_dtype: str) -> int:
         done += len(calls)
     gm.graph.eliminate_dead_code()
     gm.recompile()
-    return done
+    return done, skipped
 
 
 def _replace(gm: fx.GraphModule, node: fx.Node, x: fx.Node, bias: Optional[fx.Node],

@@ -65,6 +65,7 @@ class Session:
         self.dense_prefill: bool = bool(notes.get("dense_prefill", False))  # prefill runs a mask-free copy
         # FFN parts whose prefill computes up / down only where a ReLU gate fired (runtime/prefill_sparse.py)
         self.sparse_prefill_parts: int = int(notes.get("sparse_prefill_parts", 0))
+        self.sparse_prefill_skipped: list[str] = list(notes.get("sparse_prefill_skipped", []))  # why not, per FFN
         self.kv: KVArenas | None = notes.get("kv")  # the in-place KV cache (None: every step concatenates the past)
         self.kv_reason: str = notes.get("kv_reason", "kv_in_place=False")
         # lm_head for the last prompt position only, when a caller asks (runtime/logit_rows.py; None: every row)
