@@ -175,7 +175,7 @@ def _compile_cpu(spec: KernelSpec, out: Path, mcpu: str | None = None, integer_d
         mod = tvm.IRModule({key: cpu_prefill.describe(spec, isa, cpu.build_cores()).with_attr("global_symbol", key)})
         tvm.compile(mod, target=target).export_library(str(out))
         names = (["x", "w_up", "s_up", "g", "h"] if spec.kind == "prefill_up"
-                 else ["h", "rowptr", "tok", "w_down_t", "s_down", "y"])  # = loader._signature's order
+                 else ["h", "tokptr", "rows", "w_down_t", "s_down", "y"])  # = loader._signature's order
         return {"batched": False, "arg_names": names, "functions": [key]}
     if spec.kind in ("gemv", "gemv_down"):  # several tokens, one form (kernels/batch_gemv.py), under both names
         from . import batch_gemv

@@ -32,18 +32,16 @@ from tvm.script import tirx as T
 from . import cpu_qdot
 from .spec import KernelSpec
 
+TILE: int = 32  # prefill_down: rows per tile (32 rows x 256 columns of float32: 32 KB)
+LANES: int = 64  # prefill_down: columns a token's sum keeps in registers
 ROWS: int = 64  # prefill_up: rows per parallel block (64 int4 rows of d 2048: 72 KB, L2-resident for all tokens)
 KINDS: tuple[str, ...] = ("prefill_up", "prefill_down")
 
 
-def chunk_columns(d: int, block: int, parts: int) -> int:
-    """prefill_down's columns per parallel task: the widest of 256 / 128 / 64 / 32 that is a whole number of
-    blocks, divides ``d`` and leaves at least ``parts`` tasks where it can (0: none, no kernel for this shape).
-    (Tried on the 1B int4 at 64 tokens, AMD Zen 2: a chunk per core, 1,024 columns, ran 3.3x slower; tiles of
-    64 rows with 128-column sub-chunks 1.5x slower: the tokens' y of a chunk must stay near L1.)"""
-    fits = [c for c in (256, 128, 64, 32) if c % block == 0 and d % c == 0]
-    wide = [c for c in fits if d // c >= parts]
-    return (wide or fits[-1:] or [0])[0]  # too narrow for `parts` tasks: as many as there can be
+def chunk_columns(d: int, block: int) -> int:
+    """prefill_down's columns per tile pass: the widest of 256 / 128 / 64 / 32 that is a whole number of blocks
+    and divides ``d`` (0: none, no kernel for this shape)."""
+    return next((c for c in (256, 128, 64, 32) if c % block == 0 and d % c == 0), 0)
 
 
 def applies(spec: KernelSpec, isa: str | None) -> bool:
@@ -52,7 +50,7 @@ def applies(spec: KernelSpec, isa: str | None) -> bool:
         return False
     if spec.kind == "prefill_up":
         return cpu_qdot.applies(_up_spec(spec), isa)
-    return spec.quantized and chunk_columns(spec.d_model, spec.block, 1) > 0
+    return spec.quantized and chunk_columns(spec.d_model, spec.block) > 0
 
 
 def _up_spec(spec: KernelSpec) -> KernelSpec:
@@ -87,7 +85,7 @@ def describe_up(spec: KernelSpec, isa: str | None) -> tirx.PrimFunc:
         w = T.match_buffer(wh, (n, RB), qdt, align=64)  # [n_rows, quant bytes]
         s = T.match_buffer(sh_, (n, nb), "float16", align=64)  # [n_rows, blocks]
         g = T.match_buffer(gh, (t, n), "float32")  # [t, n_rows]: the gate GEMM's output
-        hT = T.match_buffer(hh, (n, t), "float32")  # [n_rows, t]
+        hT = T.match_buffer(hh, (t, n), "float32")  # [t, n_rows]
         qa = T.decl_buffer((t, RB), "int8", align=64)  # every token's prep_x results
         qb = T.decl_buffer((t, RB), "int8", align=64)
         qc = T.decl_buffer((t, NL), "int32", align=64)
@@ -117,16 +115,10 @@ def describe_up(spec: KernelSpec, isa: str | None) -> tirx.PrimFunc:
             xb = T.decl_buffer((RB,), "int8", align=64)
             xc = T.decl_buffer((NL,), "int32", align=64)
             xd = T.decl_buffer((NL,), "float32", align=64)
-            for jj in range(R):
-                if blk * R + jj < n:
-                    for tt in range(t):
-                        hT[blk * R + jj, tt] = T.float32(0)
-                if (blk + 1) * R + jj < n:  # the next block's rows (this thread's next, under a static split)
-                    for ln in range((RB + 63) // 64):
-                        T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
-                            w[(blk + 1) * R + jj, ln * 64]), 0, 2, 1))
-                    T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
-                        s[(blk + 1) * R + jj, 0]), 0, 2, 1))
+            for tt in range(t):
+                for jj in range(R):
+                    if blk * R + jj < n:
+                        hT[tt, blk * R + jj] = T.float32(0)
             for tt in range(t):
                 fired[0] = 0
                 for jj in range(R):
@@ -144,72 +136,110 @@ def describe_up(spec: KernelSpec, isa: str | None) -> tirx.PrimFunc:
                         if blk * R + jj < n:
                             if g[tt, blk * R + jj] > T.float32(0):
                                 row_dot(w, s, xa, xb, xc, xd, blk * R + jj, T.min(blk * R + jj + 1, n - 1), acc, res)
-                                hT[blk * R + jj, tt] = g[tt, blk * R + jj] * res[0]
+                                hT[tt, blk * R + jj] = g[tt, blk * R + jj] * res[0]
 
     return prefill_up
 
 
 def describe_down(spec: KernelSpec, parts: int) -> tirx.PrimFunc:
-    """``y[tt] = Σ_j hT[j, tt] · w[j]`` over each row's run of tokens (module docstring), parallel over column
-    chunks of ``chunk_columns(d, block, parts)`` (the tokens' ``y`` of a chunk: 64 KB at 64 tokens, 256 columns)."""
+    """``y[p, tt] = Σ_j h[tt, j] · w[j]`` over part ``p``'s rows (module docstring): each of the ``parts`` threads
+    reads its contiguous run of rows once, ``TILE`` rows at a time; per tile and chunk of ``CHUNK`` columns the
+    rows are dequantized into a float tile (L1 / L2), then per token its active rows of the tile are summed into
+    ``LANES`` columns held in registers (one load and one store of ``y`` per token, tile and ``LANES`` columns)."""
     d, wdt, B = spec.d_model, spec.weight_dtype, spec.block
-    C = chunk_columns(d, B, parts)
     if not applies(spec, None):
         raise ValueError(f"no prefill_down kernel for {spec}")
+    CC = chunk_columns(d, B)  # columns dequantized per tile pass
+    CW = min(LANES, CC)
     int4 = wdt == "int4"
     RB = d // 2 if int4 else d
     nb = d // B
     HB = B // 2
     qdt = "uint8" if int4 else "int8"
-    NC = d // C
+    P, RT = max(parts, 1), TILE
 
     @T.prim_func(check_well_formed=False)
-    def prefill_down(hh: T.handle, ph: T.handle, kh: T.handle, wh: T.handle, sh_: T.handle, yh: T.handle) -> None:
+    def prefill_down(hh: T.handle, ph: T.handle, rh: T.handle, wh: T.handle, sh_: T.handle, yh: T.handle) -> None:
         T.func_attr({"tirx.noalias": True})
         t = T.int32()
         n = T.int32()
-        nnz = T.int32()
-        hT = T.match_buffer(hh, (n, t), "float32")  # [n_rows, t]
-        rowptr = T.match_buffer(ph, (n + 1,), "int32")  # [n_rows + 1]
-        tok = T.match_buffer(kh, (nnz,), "int32")  # [nnz]
+        nr = T.int32()
+        h = T.match_buffer(hh, (t, n), "float32")  # [t, n_rows]
+        tokptr = T.match_buffer(ph, (t + 1,), "int32")  # [t + 1]
+        rows = T.match_buffer(rh, (nr,), "int32")  # [nnz + 1]: each token's rows ascending, then a sentinel n
         w = T.match_buffer(wh, (n, RB), qdt, align=64)  # [n_rows, quant bytes]
         s = T.match_buffer(sh_, (n, nb), "float16", align=64)  # [n_rows, blocks]
-        y = T.match_buffer(yh, (t, d), "float32", align=64)  # [t, d_model]
-        for c in T.parallel(NC):
-            wb = T.decl_buffer((C,), "float32", align=64)
+        y = T.match_buffer(yh, (P, t, d), "float32", align=64)  # [parts, t, d_model]: summed by the caller
+        for p in T.parallel(P):
+            cur = T.decl_buffer((t,), "int32")
+            end = T.decl_buffer((t,), "int32")
+            q = T.decl_buffer((1,), "int32")
+            wt = T.decl_buffer((RT, CC), "float32", align=64)
+            acc = T.decl_buffer((CW,), "float32", align=64)
+            per = T.bind((n + P - 1) // P)
+            r0 = T.bind(T.min(p * per, n))
+            r1 = T.bind(T.min(r0 + per, n))
             for tt in range(t):
-                for i in range(C // 16):
-                    y[tt, T.ramp(c * C + i * 16, 1, 16)] = T.Broadcast(T.float32(0), 16)
-            for j in range(n):
-                if rowptr[j + 1] > rowptr[j]:
-                    for b in range(C // B):
-                        sv = T.bind(T.Broadcast(T.Cast("float32", s[j, c * (C // B) + b]), 16))
-                        if int4:
-                            for e in range(HB // 16):
-                                q = T.bind(w[j, T.ramp((c * (C // B) + b) * HB + e * 16, 1, 16)])
-                                lo = T.bind(T.Cast("float32x16", T.bitwise_and(q, T.Broadcast(T.uint8(15), 16))))
-                                hi = T.bind(T.Cast("float32x16", T.shift_right(q, T.Broadcast(T.uint8(4), 16))))
-                                wb[T.ramp(b * B + e * 16, 1, 16)] = (lo - T.Broadcast(T.float32(8), 16)) * sv
-                                wb[T.ramp(b * B + HB + e * 16, 1, 16)] = (hi - T.Broadcast(T.float32(8), 16)) * sv
-                        else:
-                            for e in range(B // 16):
-                                wb[T.ramp(b * B + e * 16, 1, 16)] = T.Cast(
-                                    "float32x16", w[j, T.ramp(c * C + b * B + e * 16, 1, 16)]) * sv
-                    for p in range(rowptr[j + 1] - rowptr[j]):
-                        tt = T.bind(tok[rowptr[j] + p])
-                        hv = T.bind(T.Broadcast(hT[j, tt], 16))
-                        for i in range(C // 16):
-                            y[tt, T.ramp(c * C + i * 16, 1, 16)] = y[tt, T.ramp(c * C + i * 16, 1, 16)] + hv * wb[
-                                T.ramp(i * 16, 1, 16)]
+                for i in range(d // 16):
+                    y[p, tt, T.ramp(i * 16, 1, 16)] = T.Broadcast(T.float32(0), 16)
+                q[0] = tokptr[tt]
+                while q[0] < tokptr[tt + 1] and rows[q[0]] < r0:
+                    q[0] = q[0] + 1
+                cur[tt] = q[0]
+            for tile in range((per + RT - 1) // RT):
+                lo = T.bind(r0 + tile * RT)
+                hi = T.bind(T.min(lo + RT, r1))
+                if lo < hi:
+                    for tt in range(t):
+                        q[0] = cur[tt]
+                        while q[0] < tokptr[tt + 1] and rows[q[0]] < hi:
+                            q[0] = q[0] + 1
+                        end[tt] = q[0]
+                    for cc in range(d // CC):
+                        for jj in range(RT):
+                            if lo + jj < hi:
+                                for b in range(CC // B):
+                                    bi = T.bind(cc * (CC // B) + b)  # the block's index in the row
+                                    sv = T.bind(T.Broadcast(T.Cast("float32", s[lo + jj, bi]), 16))
+                                    if int4:
+                                        for e in range(HB // 16):
+                                            qv = T.bind(w[lo + jj, T.ramp(bi * HB + e * 16, 1, 16)])
+                                            lo4 = T.bind(T.Cast("float32x16", T.bitwise_and(qv, T.Broadcast(T.uint8(15), 16))))
+                                            hi4 = T.bind(T.Cast("float32x16", T.shift_right(qv, T.Broadcast(T.uint8(4), 16))))
+                                            wt[jj, T.ramp(b * B + e * 16, 1, 16)] = (lo4 - T.Broadcast(T.float32(8), 16)) * sv
+                                            wt[jj, T.ramp(b * B + HB + e * 16, 1, 16)] = (hi4 - T.Broadcast(T.float32(8), 16)) * sv
+                                    else:
+                                        for e in range(B // 16):
+                                            wt[jj, T.ramp(b * B + e * 16, 1, 16)] = T.Cast(
+                                                "float32x16", w[lo + jj, T.ramp(bi * B + e * 16, 1, 16)]) * sv
+                        for tt in range(t):
+                            if end[tt] > cur[tt]:
+                                for cw in range(CC // CW):
+                                    col = T.bind(cc * CC + cw * CW)
+                                    for v in T.unroll(CW // 16):
+                                        acc[T.ramp(v * 16, 1, 16)] = y[p, tt, T.ramp(col + v * 16, 1, 16)]
+                                    for k in range(end[tt] - cur[tt]):
+                                        j = T.bind(rows[cur[tt] + k])
+                                        hv = T.bind(T.Broadcast(h[tt, j], 16))
+                                        for v in T.unroll(CW // 16):
+                                            acc[T.ramp(v * 16, 1, 16)] = acc[T.ramp(v * 16, 1, 16)] + hv * wt[
+                                                j - lo, T.ramp(cw * CW + v * 16, 1, 16)]
+                                    for v in T.unroll(CW // 16):
+                                        y[p, tt, T.ramp(col + v * 16, 1, 16)] = acc[T.ramp(v * 16, 1, 16)]
+                    for tt in range(t):
+                        cur[tt] = end[tt]
 
     return prefill_down
 
 
-def prefill_runs(hT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``prefill_down``'s (row, token) pairs of ``hT`` [n, t] where it is not 0, sorted by row: ``rowptr``
-    [n + 1] int32 (row j's pairs are ``rowptr[j] .. rowptr[j+1]``) and ``tok`` [nnz] int32."""
-    rows, tok = hT.ne(0).nonzero(as_tuple=True)
-    counts = torch.bincount(rows, minlength=hT.shape[0])
-    rowptr = torch.zeros(hT.shape[0] + 1, dtype=torch.int32)
-    rowptr[1:] = torch.cumsum(counts, 0)
-    return rowptr, tok.to(torch.int32)
+def prefill_runs(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``prefill_down``'s (token, row) pairs of ``h`` [t, n] where it is not 0: ``tokptr`` [t + 1] int32 (token
+    tt's rows are ``rows[tokptr[tt] : tokptr[tt+1]]``, ascending) and ``rows`` [nnz + 1] int32, ending with a
+    sentinel ``n`` (the kernel's scans read one past a token's last row)."""
+    tok, rows = h.ne(0).nonzero(as_tuple=True)
+    tokptr = torch.zeros(h.shape[0] + 1, dtype=torch.int32)
+    tokptr[1:] = torch.cumsum(torch.bincount(tok, minlength=h.shape[0]), 0)
+    out = torch.empty(rows.numel() + 1, dtype=torch.int32)
+    out[:-1] = rows
+    out[-1] = h.shape[1]
+    return tokptr, out

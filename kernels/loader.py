@@ -282,10 +282,10 @@ def _signature(spec: KernelSpec, batched: bool) -> list[_Arg]:
         if spec.kind == "prefill_up":
             return [_Arg("x", torch.float32, ("t", d)), dataclasses.replace(q, name="w_up"),
                     dataclasses.replace(s, name="s_up"), _Arg("g", torch.float32, ("t", "r")),
-                    _Arg("h", torch.float32, ("r", "t"))]
-        return [_Arg("h", torch.float32, ("r", "t")), _Arg("rowptr", torch.int32, ("r1",)),
-                _Arg("tok", torch.int32, ("nnz",)), dataclasses.replace(q, name="w_down_t"),
-                dataclasses.replace(s, name="s_down"), _Arg("y", torch.float32, ("t", d))]
+                    _Arg("h", torch.float32, ("t", "r"))]
+        return [_Arg("h", torch.float32, ("t", "r")), _Arg("tokptr", torch.int32, ("t1",)),
+                _Arg("rows", torch.int32, ("nr",)), dataclasses.replace(q, name="w_down_t"),
+                dataclasses.replace(s, name="s_down"), _Arg("y", torch.float32, ("p", "t", d))]
     if spec.kind == "gemv":  # several tokens in both forms (kernels/batch_gemv.py)
         return [_Arg("x", torch.float32, ("t", d)), _Arg("w_up", w, (n, d)), _Arg("idx", torch.int32, ("k",)),
                 _Arg("h", torch.float32, ("t", "k"))]
@@ -351,7 +351,7 @@ CALL_ARGS: dict[str, tuple[str, ...]] = {
     "gemv_down": ("h", "w_down_t", "idx", "y"),
     "dequant": ("w_up", "out"),
     "prefill_up": ("x", "w_up", "g", "h"),
-    "prefill_down": ("h", "rowptr", "tok", "w_down_t", "y"),
+    "prefill_down": ("h", "tokptr", "rows", "w_down_t", "y"),
 }
 
 

@@ -39,6 +39,9 @@ class SparsePrefillFFN:
         self.gated = gated
         self.up = up  # the prefill_up SparseKernel (gated), else None
         self.down = down  # the prefill_down SparseKernel
+        from picompile.kernels.cpu import build_cores
+
+        self.parts = build_cores()  # prefill_down's row parts (its y is [parts, t, d_model])
         self.__name__ = f"sparse_prefill_ffn_{layer}"  # fx's code generation names the call after it
 
     def __call__(
@@ -59,16 +62,16 @@ class SparsePrefillFFN:
         t, n = x2.shape[0], w_down_t.shape[0]
         g = gemm(x2.to(w_in.dtype), w_in).float().contiguous()  # [t, n]
         if self.gated:
-            h_t = torch.empty((n, t), dtype=torch.float32)  # [n, t]
-            self.up.unchecked(x2, w_up, s_up, g, h_t)
+            h = torch.empty((t, n), dtype=torch.float32)  # [t, n]
+            self.up.unchecked(x2, w_up, s_up, g, h)
             if b_up is not None:
-                h_t += (torch.relu(g) * b_up).t()
+                h += torch.relu(g) * b_up
         else:
-            h_t = torch.relu(g if b_up is None else g + b_up).t().contiguous()  # [n, t]
-        rowptr, tok = prefill_runs(h_t)
-        y = aligned_empty((t, d))  # [t, d_model]
-        self.down.unchecked(h_t, rowptr, tok, w_down_t, s_down, y)
-        return y.reshape(x.shape).to(x.dtype)
+            h = torch.relu(g if b_up is None else g + b_up).contiguous()  # [t, n]
+        tokptr, rows = prefill_runs(h)
+        y = aligned_empty((self.parts, t, d))  # [parts, t, d_model]: each thread's rows' sums
+        self.down.unchecked(h, tokptr, rows, w_down_t, s_down, y)
+        return y.sum(0).reshape(x.shape).to(x.dtype)
 
     def __repr__(self) -> str:
         return f"SparsePrefillFFN(layer={self.layer}, gated={self.gated})"

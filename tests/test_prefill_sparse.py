@@ -10,7 +10,7 @@ import torch
 
 import picompile
 from picompile.kernels import aligned_empty, as_aligned, build_kernel, cpu_prefill, load_kernel, qformat
-from picompile.kernels.cpu import host_target
+from picompile.kernels.cpu import build_cores, host_target
 from picompile.kernels.cpu_qdot import isa_for
 from picompile.kernels.spec import KernelSpec, KernelSpecError
 from picompile.runtime.prefill_sparse import SparsePrefillFFN
@@ -43,19 +43,21 @@ def test_kernels_equal_torch_reference(wdt: str, tmp_path: Path) -> None:
     g = torch.randn(t, n)
     g[:, 50:80] = -1.0  # rows no token fires
     g[3] = -1.0  # a token with no row
-    h_t = aligned_empty((n, t))
-    up(x, qu, su, g, h_t)
+    h = aligned_empty((t, n))
+    up(x, qu, su, g, h)
     ref = torch.stack([qformat.qdot_reference(x[i], qu, su) for i in range(t)]).float()  # [t, n] x quantized per token
-    want = (torch.relu(g) * ref).t()
-    assert torch.equal(h_t == 0, want == 0)  # nothing computed where the gate did not fire
-    assert _rel(h_t, want) < 1e-5
-    rowptr, tok = cpu_prefill.prefill_runs(h_t)
-    assert rowptr[-1] == tok.numel() == int(h_t.ne(0).sum()) and rowptr[51] == rowptr[80]
-    y = aligned_empty((t, d))
-    down(h_t, rowptr, tok, qd, sd, y)
-    assert _rel(y, h_t.t() @ qformat.dequantize(qd, sd)) < 1e-5
-    assert torch.equal(y[3], torch.zeros(d))
-    zero = torch.zeros_like(h_t)  # no pair at all: y written as zeros
+    want = torch.relu(g) * ref
+    assert torch.equal(h == 0, want == 0)  # nothing computed where the gate did not fire
+    assert _rel(h, want) < 1e-5
+    tokptr, rows = cpu_prefill.prefill_runs(h)
+    assert tokptr[-1] == rows.numel() - 1 == int(h.ne(0).sum()) and rows[-1] == n  # the sentinel
+    assert not ((rows[:-1] >= 50) & (rows[:-1] < 80)).any() and tokptr[3] == tokptr[4]
+    parts = build_cores()
+    y = aligned_empty((parts, t, d))
+    down(h, tokptr, rows, qd, sd, y)
+    assert _rel(y.sum(0), h @ qformat.dequantize(qd, sd)) < 1e-5
+    assert torch.equal(y[:, 3], torch.zeros(parts, d))
+    zero = torch.zeros_like(h)  # no pair at all: y written as zeros
     down(zero, *cpu_prefill.prefill_runs(zero), qd, sd, y)
     assert not y.any()
 
@@ -67,8 +69,8 @@ def test_specs_and_shapes() -> None:
     with pytest.raises(KernelSpecError, match="n_rows 1"):
         KernelSpec(kind="prefill_up", act="none", d_model=512, n_rows=64, weight_dtype="int4", has_bias=False,
                    target="llvm")
-    assert cpu_prefill.chunk_columns(2048, 32, 2) == 256 and cpu_prefill.chunk_columns(576, 32, 2) == 64
-    assert cpu_prefill.chunk_columns(64, 32, 4) == 32 and cpu_prefill.chunk_columns(100, 32, 2) == 0
+    assert cpu_prefill.chunk_columns(2048, 32) == 256 and cpu_prefill.chunk_columns(576, 32) == 64
+    assert cpu_prefill.chunk_columns(64, 64) == 64 and cpu_prefill.chunk_columns(100, 32) == 0
 
 
 def _steps(session: picompile.Session) -> list[SparsePrefillFFN]:
