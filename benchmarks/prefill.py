@@ -1,6 +1,6 @@
 """Prefill of a float16 or int8 / int4 artifact per prefill path, side by side in one process (or one path per process).
 
-    python benchmarks/prefill.py ART [--prompt-len 64,512] [--rounds 5] [--settings auto,weights,float16,bfloat16,bfloat16-stream]
+    python benchmarks/prefill.py ART [--prompt-len 64,512] [--rounds 5] [--settings auto,dense-ffn,weights,float16,bfloat16,bfloat16-stream]
     python benchmarks/prefill.py --gemm [--prompt-len 64,512] [--rounds 5] [--shape 2048,5632]
 
 ``--gemm``: each prefill GEMM path alone on the FFN's up shape ``[rows, d_model] × [n_ff, d_model]ᵀ`` (GFLOP/s,
@@ -14,7 +14,9 @@ float32 for a call with a transposed weight or ``WIDEN_ROWS``+ rows of x. ``floa
 torch's float16 GEMM for every call (very slow on those CPUs). ``bfloat16``: ``prefill_dtype="bfloat16"``
 (bfloat16 copies; hybrid FFN layers as one packed ``PrefillFFN``, ``runtime/prefill_gemm.py``).
 ``bfloat16-stream``: the same GEMMs without copies, each weight converted per call (``runtime/prefill_stream.py``). ``auto``: the
-default load (``runtime/compute_dtype.choose``; it prints which dtype it chose). On an int8 / int4 artifact
+default load (``runtime/compute_dtype.choose``; it prints which dtype it chose). ``dense-ffn``: the default load
+with ``sparse_prefill=False`` (a ReLU FFN's up and down rows all computed, not only where the gate fired:
+``runtime/prefill_sparse.py``). On an int8 / int4 artifact
 ``weights`` dequantizes each weight to float32 per call (``ops.deq``) and ``auto`` takes the bfloat16 copies
 where this CPU has a fast bfloat16 GEMM and the copy fits. Each prefill computes every position's logits
 (``session.logits``); generation computes only the last one's (``Decoder.feed(ids, last_only=True)``):
@@ -33,7 +35,7 @@ import picompile  # first: it sets OMP_WAIT_POLICY=PASSIVE before torch loads Op
 import torch
 from picompile.ir import ops
 
-SETTINGS = ("auto", "weights", "float16", "bfloat16", "bfloat16-stream")
+SETTINGS = ("auto", "dense-ffn", "weights", "float16", "bfloat16", "bfloat16-stream")
 
 
 def gemm_table(rows_list: list[int], d_model: int, n_ff: int, rounds: int) -> None:
@@ -94,16 +96,17 @@ def main() -> None:
     unknown = set(names) - set(SETTINGS)
     if unknown or not names:
         raise SystemExit(f"--settings: unknown {', '.join(sorted(unknown)) or '(none given)'}")
-    loads = {"auto": None, "weights": "weights", "float16": "weights", "bfloat16": "bfloat16",
-             "bfloat16-stream": "bfloat16-stream"}
+    loads = {"auto": None, "dense-ffn": "dense-ffn", "weights": "weights", "float16": "weights",
+             "bfloat16": "bfloat16", "bfloat16-stream": "bfloat16-stream"}
     sessions: dict[str, picompile.Session] = {}
     for name in names:
         key = loads[name]
         if key not in {loads[n] for n in sessions}:
             start = time.perf_counter()
-            s = picompile.load(args.artifact, prefill_dtype=key)
+            dense_ffn = key == "dense-ffn"
+            s = picompile.load(args.artifact, prefill_dtype=None if dense_ffn else key, sparse_prefill=not dense_ffn)
             print(f"{name}: prefill dtype {s.prefill_dtype or 'the weights'} ({s.prefill_reason}); "
-                  f"load {time.perf_counter() - start:.1f} s")
+                  f"{s.sparse_prefill_parts} FFN parts gate-sparse; load {time.perf_counter() - start:.1f} s")
             sessions[name] = s
         else:
             sessions[name] = next(sessions[n] for n in sessions if loads[n] == key)

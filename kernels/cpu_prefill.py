@@ -2,24 +2,33 @@
 
 Prefill of a gated ReLU FFN for ``t`` tokens, after the dense gate GEMM ``g = x · w_gateᵀ`` ([t, n], float32):
 
-    hT[j, tt] = g[tt, j] · (w_up[j] · x[tt])   where g[tt, j] > 0, else 0     # kind prefill_up   [n, t]
-    y[tt]     = Σ_{p in row j's run} hT[j, tok[p]] · w_down_t[j]             # kind prefill_down [t, d]
+    h[tt, j] = g[tt, j] · (w_up[j] · x[tt])   where g[tt, j] > 0, else 0          # kind prefill_up   [t, n]
+    y[tt]    = Σ_{j: h[tt, j] ≠ 0} h[tt, j] · w_down_t[j]                           # kind prefill_down [t, d]
 
-(a non-gated ReLU FFN: ``hT = relu(x · w_upᵀ + b_up)ᵀ`` from the dense up GEMM, then ``prefill_down`` alone).
-Rows are symbolic (``n``; the spec's ``n_rows`` is 1, as kind ``dequant``'s): one kernel pair serves every
-part of a model. The up and down rows of a neuron are read once for all ``t`` tokens and multiplied only with the tokens whose
-gate fired (~10 % of the pairs on a ReLU model), so the prompt's FFN costs its gate GEMM plus about a tenth
-of the up and down multiply-adds: exact maths, no predictor (a ReLU output of 0 adds nothing).
+(a non-gated ReLU FFN: ``h = relu(x · w_upᵀ + b_up)`` from the dense up GEMM, then ``prefill_down`` alone).
+Rows are symbolic (``n``; the spec's ``n_rows`` is 1, as kind ``dequant``'s): one kernel pair per weight format
+and width serves every part of a model. Each up and down row is read from memory once for all ``t`` tokens and
+multiplied only with the tokens whose gate fired (~10 % of the pairs on a ReLU model), so the prompt's FFN costs
+its gate GEMM plus about a tenth of the up and down multiply-adds: exact maths, no predictor (a ReLU output of
+0 adds nothing).
 
-* ``prefill_up`` (int8 / int4 weights, the ``cpu_qdot`` ISAs): every token's ``x`` quantized as the one-token
-  ``up`` kernel does, then parallel over blocks of ``ROWS`` rows; per token, its quants copied into the thread's
-  buffers when one of the block's gates fired for it, then ``row_dot`` (the one-token kernel's sums) for each
-  such row. Arguments ``(x [t, d], w, s, g [t, n], hT [n, t])``.
-* ``prefill_down`` (int8 / int4): parallel over column chunks of ``d_model`` (each thread owns its
-  columns of every token's ``y``; each weight byte is read once), per row with a non-empty run: the row's
-  chunk dequantized once into a float buffer, then one float axpy per token of the row's run (``rowptr`` [n+1]
-  int32 and ``tok`` [nnz] int32: the (row, token) pairs with ``hT ≠ 0``, sorted by row — ``prefill_runs``).
-  Arguments ``(hT [n, t], rowptr, tok, w, s, y [t, d])``.
+* ``prefill_up`` (int8 / int4 weights where ``cpu_qdot`` has integer dot products: AVX2 and up): every token's
+  ``x`` quantized as the one-token ``up`` kernel does, then parallel over blocks of ``ROWS`` rows (the block's
+  rows stay in L2 for all tokens); per token, its quants copied into the thread's buffers when one of the
+  block's gates fired for it, then ``row_dot`` (the one-token kernel's sums, so the maths are decode's) for
+  each such row. Arguments ``(x [t, d], w, s, g [t, n], h [t, n])``.
+* ``prefill_down`` (int8 / int4, any x86 / LLVM target: float maths): each of the build's cores takes a
+  contiguous run of rows and reads it once, ``TILE`` rows at a time; per tile and chunk of ``chunk_columns``
+  columns the rows are dequantized into a float tile, then per token its active rows of the tile (``tokptr``
+  [t + 1] and ``rows`` [nnz + 1] int32, by token, ascending, a sentinel ``n`` last: ``prefill_runs``) are summed
+  into ``LANES`` columns held in registers. Each core writes its own ``y[p]``; the caller adds the parts.
+  Arguments ``(h [t, n], tokptr, rows, w, s, y [parts, t, d])``.
+
+AMD Zen 2, 2 threads, the 1B int4 (d 2048, 5632 neurons), 64 tokens, ~10.6 % of the pairs active, in a
+prefill (weights from DRAM): per layer up 4.4 ms and down 5.1 ms against 11.3 ms for each dense float32 GEMM on
+packed copies. Tried and slower in place: a next-block prefetch in ``prefill_up`` (+15 %); ``prefill_down``
+parallel over column chunks with one float axpy per (row, token) pair into ``y`` (7.3 ms: each chunk task
+re-walks every row; 1,024-column chunks 3.3× slower still).
 """
 from __future__ import annotations
 

@@ -7,9 +7,10 @@ then the up and down rows of the artifact itself only for the (neuron, token) pa
 this is the dense FFN's maths, no predictor involved; up's dot products are integer (x quantized to int8 per
 block, as decode's kernels and llama.cpp's q4_0 × q8_0 do: ~4e-3 relative error per output against float x).
 
-AMD Zen 2, 2 threads, the 1B int4 (d 2048, 5632 neurons, 64 tokens, ~10.6 % of pairs active): per layer the
-dense prefill FFN (two float32 GEMMs on packed copies) 33.7 ms, this 11.3 (gate GEMM) + 2.1 (up) + 0.7 (runs)
-+ 3.7 (down) ms. The copies it needs are the gate's alone (a third of the FFN's float32 copies).
+AMD Zen 2, 2 threads, the 1B int4 (d 2048, 5632 neurons, 64 tokens, ~10.6 % of the pairs active): per layer
+the dense prefill FFN (two float32 GEMMs on packed copies, 11.3 ms each) 33.7 ms, this 11.3 (gate GEMM) + 4.4
+(up) + 0.6 (runs) + 5.1 (down) ms; the whole 64-token prefill 59.8 → 74.7 tok/s with the first kernels, 87.8 in
+``picompile bench`` (benchmarks/README.md). The float32 copies it keeps are the gate's alone.
 
 Applies where every condition holds, else the node is left to ``compute-dtype``'s dense GEMMs (the reason kept
 in ``session.sparse_prefill_skipped``): act ``relu`` (gated: on the gate; else on up), no gate bias,
