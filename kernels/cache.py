@@ -176,6 +176,7 @@ def _compile_cpu(spec: KernelSpec, out: Path, mcpu: str | None = None, integer_d
         tvm.compile(mod, target=target).export_library(str(out))
         names = (["x", "w_up", "s_up", "g", "h"] if spec.kind == "prefill_up"
                  else ["h", "tokptr", "rows", "w_down_t", "s_down", "y"])  # = loader._signature's order
+        names = [a for a in names if spec.quantized or a not in ("s_up", "s_down")]
         return {"batched": False, "arg_names": names, "functions": [key]}
     if spec.kind in ("gemv", "gemv_down"):  # several tokens, one form (kernels/batch_gemv.py), under both names
         from . import batch_gemv

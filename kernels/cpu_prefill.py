@@ -57,9 +57,11 @@ def applies(spec: KernelSpec, isa: str | None) -> bool:
     """Whether this module has a kernel for ``spec`` on a target with integer dot-product ``isa``."""
     if spec.is_cuda or spec.kind not in KINDS or spec.has_bias:
         return False
+    if not spec.quantized:  # float16 / float32 rows: float maths, any target
+        return spec.weight_dtype in ("float16", "float32") and chunk_columns(spec.d_model, 16) > 0
     if spec.kind == "prefill_up":
         return cpu_qdot.applies(_up_spec(spec), isa)
-    return spec.quantized and chunk_columns(spec.d_model, spec.block) > 0
+    return chunk_columns(spec.d_model, spec.block) > 0
 
 
 def _up_spec(spec: KernelSpec) -> KernelSpec:
@@ -69,7 +71,9 @@ def _up_spec(spec: KernelSpec) -> KernelSpec:
 
 def describe(spec: KernelSpec, isa: str | None, parts: int) -> tirx.PrimFunc:
     """This module's kernel for ``spec`` (``applies``); ``parts``: the cores it is cut for."""
-    return describe_up(spec, isa) if spec.kind == "prefill_up" else describe_down(spec, parts)
+    if spec.kind == "prefill_up":
+        return describe_up(spec, isa) if spec.quantized else describe_up_float(spec)
+    return describe_down(spec, parts)
 
 
 def describe_up(spec: KernelSpec, isa: str | None) -> tirx.PrimFunc:
@@ -150,35 +154,81 @@ def describe_up(spec: KernelSpec, isa: str | None) -> tirx.PrimFunc:
     return prefill_up
 
 
+def describe_up_float(spec: KernelSpec) -> tirx.PrimFunc:
+    """``prefill_up`` on float16 / float32 rows: the same loops, each dot product in float32 (16 lanes, the row
+    widened in registers; x as it is, no quantization). Arguments ``(x [t, d], w, g [t, n], h [t, n])``."""
+    if not applies(spec, None) or spec.quantized:
+        raise ValueError(f"no float prefill_up kernel for {spec}")
+    d, wdt, R = spec.d_model, spec.weight_dtype, ROWS
+
+    @T.prim_func(check_well_formed=False)
+    def prefill_up(xh: T.handle, wh: T.handle, gh: T.handle, hh: T.handle) -> None:
+        T.func_attr({"tirx.noalias": True})
+        t = T.int32()
+        n = T.int32()
+        x = T.match_buffer(xh, (t, d), "float32", align=64)  # [t, d_model]
+        w = T.match_buffer(wh, (n, d), wdt, align=64)  # [n_rows, d_model]
+        g = T.match_buffer(gh, (t, n), "float32")  # [t, n_rows]: the gate GEMM's output
+        h = T.match_buffer(hh, (t, n), "float32")  # [t, n_rows]
+        for blk in T.parallel((n + R - 1) // R):
+            acc = T.decl_buffer((16,), "float32", align=64)
+            for tt in range(t):
+                for jj in range(R):
+                    if blk * R + jj < n:
+                        h[tt, blk * R + jj] = T.float32(0)
+                        if g[tt, blk * R + jj] > T.float32(0):
+                            acc[T.ramp(0, 1, 16)] = T.Broadcast(T.float32(0), 16)
+                            for c in range(d // 16):
+                                acc[T.ramp(0, 1, 16)] = acc[T.ramp(0, 1, 16)] + T.Cast(
+                                    "float32x16", w[blk * R + jj, T.ramp(c * 16, 1, 16)]) * x[tt, T.ramp(c * 16, 1, 16)]
+                            h[tt, blk * R + jj] = g[tt, blk * R + jj] * T.call_llvm_pure_intrin(
+                                "float32", "llvm.vector.reduce.fadd", T.float32(0), acc[T.ramp(0, 1, 16)])
+
+    return prefill_up
+
+
 def describe_down(spec: KernelSpec, parts: int) -> tirx.PrimFunc:
     """``y[p, tt] = Σ_j h[tt, j] · w[j]`` over part ``p``'s rows (module docstring): each of the ``parts`` threads
-    reads its contiguous run of rows once, ``TILE`` rows at a time; per tile and chunk of ``CHUNK`` columns the
-    rows are dequantized into a float tile (L1 / L2), then per token its active rows of the tile are summed into
-    ``LANES`` columns held in registers (one load and one store of ``y`` per token, tile and ``LANES`` columns)."""
-    d, wdt, B = spec.d_model, spec.weight_dtype, spec.block
+    reads its contiguous run of rows once, ``TILE`` rows at a time; per tile and chunk of ``chunk_columns``
+    columns the rows are dequantized (float16: widened) into a float tile (L1 / L2), then per token its active rows
+    of the tile are summed into ``LANES`` columns held in registers (one load and one store of ``y`` per token,
+    tile and ``LANES`` columns). Quantized rows take their scales after the quants; float rows none."""
+    d, wdt, quant = spec.d_model, spec.weight_dtype, spec.quantized
     if not applies(spec, None):
         raise ValueError(f"no prefill_down kernel for {spec}")
+    B = spec.block if quant else 16
     CC = chunk_columns(d, B)  # columns dequantized per tile pass
     CW = min(LANES, CC)
     int4 = wdt == "int4"
     RB = d // 2 if int4 else d
     nb = d // B
     HB = B // 2
-    qdt = "uint8" if int4 else "int8"
+    qdt = {"int4": "uint8"}.get(wdt, wdt)
     P, RT = max(parts, 1), TILE
 
-    @T.prim_func(check_well_formed=False)
-    def prefill_down(hh: T.handle, ph: T.handle, rh: T.handle, wh: T.handle, sh_: T.handle, yh: T.handle) -> None:
-        T.func_attr({"tirx.noalias": True})
-        t = T.int32()
-        n = T.int32()
-        nr = T.int32()
-        h = T.match_buffer(hh, (t, n), "float32")  # [t, n_rows]
-        tokptr = T.match_buffer(ph, (t + 1,), "int32")  # [t + 1]
-        rows = T.match_buffer(rh, (nr,), "int32")  # [nnz + 1]: each token's rows ascending, then a sentinel n
-        w = T.match_buffer(wh, (n, RB), qdt, align=64)  # [n_rows, quant bytes]
-        s = T.match_buffer(sh_, (n, nb), "float16", align=64)  # [n_rows, blocks]
-        y = T.match_buffer(yh, (P, t, d), "float32", align=64)  # [parts, t, d_model]: summed by the caller
+    @T.macro(hygienic=True)
+    def fill(w, s, row, jj, cc, wt):  # row's columns cc·CC … +CC as float32 → wt[jj]
+        if quant:
+            for b in range(CC // B):
+                bi = T.bind(cc * (CC // B) + b)  # the block's index in the row
+                sv = T.bind(T.Broadcast(T.Cast("float32", s[row, bi]), 16))
+                if int4:
+                    for e in range(HB // 16):
+                        qv = T.bind(w[row, T.ramp(bi * HB + e * 16, 1, 16)])
+                        lo4 = T.bind(T.Cast("float32x16", T.bitwise_and(qv, T.Broadcast(T.uint8(15), 16))))
+                        hi4 = T.bind(T.Cast("float32x16", T.shift_right(qv, T.Broadcast(T.uint8(4), 16))))
+                        wt[jj, T.ramp(b * B + e * 16, 1, 16)] = (lo4 - T.Broadcast(T.float32(8), 16)) * sv
+                        wt[jj, T.ramp(b * B + HB + e * 16, 1, 16)] = (hi4 - T.Broadcast(T.float32(8), 16)) * sv
+                else:
+                    for e in range(B // 16):
+                        wt[jj, T.ramp(b * B + e * 16, 1, 16)] = T.Cast(
+                            "float32x16", w[row, T.ramp(bi * B + e * 16, 1, 16)]) * sv
+        else:
+            for e in range(CC // 16):
+                wt[jj, T.ramp(e * 16, 1, 16)] = T.Cast("float32x16", w[row, T.ramp(cc * CC + e * 16, 1, 16)])
+
+    @T.macro(hygienic=True)
+    def body(h, tokptr, rows, w, s, y, t, n):
         for p in T.parallel(P):
             cur = T.decl_buffer((t,), "int32")
             end = T.decl_buffer((t,), "int32")
@@ -207,20 +257,7 @@ def describe_down(spec: KernelSpec, parts: int) -> tirx.PrimFunc:
                     for cc in range(d // CC):
                         for jj in range(RT):
                             if lo + jj < hi:
-                                for b in range(CC // B):
-                                    bi = T.bind(cc * (CC // B) + b)  # the block's index in the row
-                                    sv = T.bind(T.Broadcast(T.Cast("float32", s[lo + jj, bi]), 16))
-                                    if int4:
-                                        for e in range(HB // 16):
-                                            qv = T.bind(w[lo + jj, T.ramp(bi * HB + e * 16, 1, 16)])
-                                            lo4 = T.bind(T.Cast("float32x16", T.bitwise_and(qv, T.Broadcast(T.uint8(15), 16))))
-                                            hi4 = T.bind(T.Cast("float32x16", T.shift_right(qv, T.Broadcast(T.uint8(4), 16))))
-                                            wt[jj, T.ramp(b * B + e * 16, 1, 16)] = (lo4 - T.Broadcast(T.float32(8), 16)) * sv
-                                            wt[jj, T.ramp(b * B + HB + e * 16, 1, 16)] = (hi4 - T.Broadcast(T.float32(8), 16)) * sv
-                                    else:
-                                        for e in range(B // 16):
-                                            wt[jj, T.ramp(b * B + e * 16, 1, 16)] = T.Cast(
-                                                "float32x16", w[lo + jj, T.ramp(bi * B + e * 16, 1, 16)]) * sv
+                                fill(w, s, lo + jj, jj, cc, wt)
                         for tt in range(t):
                             if end[tt] > cur[tt]:
                                 for cw in range(CC // CW):
@@ -238,7 +275,37 @@ def describe_down(spec: KernelSpec, parts: int) -> tirx.PrimFunc:
                     for tt in range(t):
                         cur[tt] = end[tt]
 
-    return prefill_down
+    if quant:
+        @T.prim_func(check_well_formed=False)
+        def prefill_down(hh: T.handle, ph: T.handle, rh: T.handle, wh: T.handle, sh_: T.handle, yh: T.handle) -> None:
+            T.func_attr({"tirx.noalias": True})
+            t = T.int32()
+            n = T.int32()
+            nr = T.int32()
+            h = T.match_buffer(hh, (t, n), "float32")  # [t, n_rows]
+            tokptr = T.match_buffer(ph, (t + 1,), "int32")  # [t + 1]
+            rows = T.match_buffer(rh, (nr,), "int32")  # [nnz + 1]: each token's rows ascending, then a sentinel n
+            w = T.match_buffer(wh, (n, RB), qdt, align=64)  # [n_rows, quant bytes]
+            s = T.match_buffer(sh_, (n, nb), "float16", align=64)  # [n_rows, blocks]
+            y = T.match_buffer(yh, (P, t, d), "float32", align=64)  # [parts, t, d_model]: summed by the caller
+            body(h, tokptr, rows, w, s, y, t, n)
+
+        return prefill_down
+
+    @T.prim_func(check_well_formed=False)
+    def prefill_down_float(hh: T.handle, ph: T.handle, rh: T.handle, wh: T.handle, yh: T.handle) -> None:
+        T.func_attr({"tirx.noalias": True})
+        t = T.int32()
+        n = T.int32()
+        nr = T.int32()
+        h = T.match_buffer(hh, (t, n), "float32")  # [t, n_rows]
+        tokptr = T.match_buffer(ph, (t + 1,), "int32")  # [t + 1]
+        rows = T.match_buffer(rh, (nr,), "int32")  # [nnz + 1]
+        w = T.match_buffer(wh, (n, d), qdt, align=64)  # [n_rows, d_model]
+        y = T.match_buffer(yh, (P, t, d), "float32", align=64)  # [parts, t, d_model]
+        body(h, tokptr, rows, w, w, y, t, n)
+
+    return prefill_down_float
 
 
 def prefill_runs(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -277,15 +277,17 @@ def _signature(spec: KernelSpec, batched: bool) -> list[_Arg]:
         scales = [_Arg("s_up", torch.float16, ("r", d // spec.block))] if spec.quantized else []
         return [q, *scales, _Arg("out", torch.bfloat16, ("r", d))]
     if spec.kind in ("prefill_up", "prefill_down"):  # rows "r" symbolic, several tokens (kernels/cpu_prefill.py)
-        q = _Arg("", torch.int8, ("r", d)) if spec.weight_dtype == "int8" else _Arg("", torch.uint8, ("r", d // 2))
-        s = _Arg("", torch.float16, ("r", d // spec.block))
+        q = {"int8": _Arg("", torch.int8, ("r", d)), "int4": _Arg("", torch.uint8, ("r", d // 2))}.get(
+            spec.weight_dtype, _Arg("", w, ("r", d)))
+        name, scales = ("w_up", "s_up") if spec.kind == "prefill_up" else ("w_down_t", "s_down")
+        weight = [dataclasses.replace(q, name=name)]
+        if spec.quantized:
+            weight.append(_Arg(scales, torch.float16, ("r", d // spec.block)))
         if spec.kind == "prefill_up":
-            return [_Arg("x", torch.float32, ("t", d)), dataclasses.replace(q, name="w_up"),
-                    dataclasses.replace(s, name="s_up"), _Arg("g", torch.float32, ("t", "r")),
+            return [_Arg("x", torch.float32, ("t", d)), *weight, _Arg("g", torch.float32, ("t", "r")),
                     _Arg("h", torch.float32, ("t", "r"))]
         return [_Arg("h", torch.float32, ("t", "r")), _Arg("tokptr", torch.int32, ("t1",)),
-                _Arg("rows", torch.int32, ("nr",)), dataclasses.replace(q, name="w_down_t"),
-                dataclasses.replace(s, name="s_down"), _Arg("y", torch.float32, ("p", "t", d))]
+                _Arg("rows", torch.int32, ("nr",)), *weight, _Arg("y", torch.float32, ("p", "t", d))]
     if spec.kind == "gemv":  # several tokens in both forms (kernels/batch_gemv.py)
         return [_Arg("x", torch.float32, ("t", d)), _Arg("w_up", w, (n, d)), _Arg("idx", torch.int32, ("k",)),
                 _Arg("h", torch.float32, ("t", "k"))]

@@ -177,8 +177,8 @@ class KernelSpec:
             if self.is_cuda or self.quantized or self.has_bias or self.act != "none":
                 raise KernelSpecError(f"kind {self.kind!r} is CPU (llvm), float32/float16, act 'none', no bias")
         if self.kind in ("prefill_up", "prefill_down"):  # kernels/cpu_prefill.py
-            if self.is_cuda or self.has_bias or self.act != "none" or not self.quantized or self.n_rows != 1:
-                raise KernelSpecError(f"kind {self.kind!r} is CPU (llvm), int8/int4, act 'none', no bias, n_rows 1 "
+            if self.is_cuda or self.has_bias or self.act != "none" or self.n_rows != 1:
+                raise KernelSpecError(f"kind {self.kind!r} is CPU (llvm), act 'none', no bias, n_rows 1 "
                                       "(its rows are symbolic)")
         if self.lanes:
             if self.kind != "gemv":

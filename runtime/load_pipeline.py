@@ -131,7 +131,7 @@ def session_steps(o: LoadOptions) -> list[str]:
     """The steps a ``Session`` runs to make its prefill and decode forms of the loaded graph."""
     steps = ["dense-prefill"] if o.dense_prefill else []
     steps += ["sparse-prefill-ffn"] if (o.dense_prefill and o.sparse_prefill and o.kernels and not o.compile
-                                        and o.prefill_dtype in ("float32", "bfloat16")) else []
+                                        and o.prefill_dtype in (None, "float32", "bfloat16")) else []
     steps += ["compute-dtype"] if o.prefill_dtype is not None else []
     steps += ["kv-arenas"] if o.kv_in_place else []
     steps += ["last-logits"] if o.last_logits and not o.compile else []

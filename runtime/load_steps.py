@@ -90,14 +90,14 @@ def _dense_prefill(state: LoadState) -> None:
     state.notes["dense_prefill"] = state.prefill is not state.graph  # False: no mask to drop
 
 
-@load_step("sparse-prefill-ffn", ("prefill",), "prefill's ReLU FFNs on int8 / int4 rows: the gate GEMM on a copy, "
-           "then the up and down rows only where a gate fired (notes sparse_prefill_parts, and "
+@load_step("sparse-prefill-ffn", ("prefill",), "prefill's ReLU FFNs: the gate GEMM (on a copy in the prefill dtype, "
+           "or the stored float rows), then the up and down rows only where a gate fired (notes sparse_prefill_parts, and "
            "sparse_prefill_skipped: why an FFN was left to the dense GEMMs)")
 def _sparse_prefill_ffn(state: LoadState) -> None:
     from picompile.ir.graph import shared_copy
     from picompile.runtime.prefill_sparse import sparse_prefill_ffn
 
-    assert state.prefill is not None and state.options.prefill_dtype is not None
+    assert state.prefill is not None
     if state.prefill is state.graph or state.prefill is state.decode:  # those keep their FFN nodes
         state.prefill = shared_copy(state.prefill)
     parts, skipped = sparse_prefill_ffn(state.prefill, state.options.prefill_dtype)

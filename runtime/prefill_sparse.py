@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, fx
 
 from picompile.ir.graph import get_tensor
-from picompile.ir.ops import gemm
+from picompile.ir.ops import lin
 
 COPY_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -48,12 +48,12 @@ class SparsePrefillFFN:
     def __call__(
         self,
         x: Tensor,  # [..., d_model] float32
-        w_in: Tensor,  # [n, d_model] gate rows (non-gated: up rows) in GEMM layout, the prefill dtype
+        w_in: Tensor,  # [n, d_model] gate rows (non-gated: up rows): a copy in GEMM layout, or the stored float rows
         b_up: Optional[Tensor],  # [n] float32
-        w_up: Optional[Tensor],  # [n, d_model | d_model / 2] quants (gated)
-        s_up: Optional[Tensor],  # [n, d_model / block] float16
-        w_down_t: Tensor,  # [n, d_model | d_model / 2] quants
-        s_down: Tensor,  # [n, d_model / block] float16
+        w_up: Optional[Tensor],  # [n, d_model | d_model / 2] (gated): float rows or int8 / int4 quants
+        s_up: Optional[Tensor],  # [n, d_model / block] float16 (quantized)
+        w_down_t: Tensor,  # [n, d_model | d_model / 2]
+        s_down: Optional[Tensor],  # [n, d_model / block] float16 (quantized)
     ) -> Tensor:
         from picompile.kernels import aligned_empty, as_aligned
         from picompile.kernels.cpu_prefill import prefill_runs
@@ -61,17 +61,17 @@ class SparsePrefillFFN:
         d = x.shape[-1]
         x2 = as_aligned(x.reshape(-1, d).float().contiguous())  # [t, d_model]
         t, n = x2.shape[0], w_down_t.shape[0]
-        g = gemm(x2.to(w_in.dtype), w_in).float().contiguous()  # [t, n]
+        g = lin(x2, w_in).contiguous()  # [t, n] float32
         if self.gated:
             h = torch.empty((t, n), dtype=torch.float32)  # [t, n]
-            self.up.unchecked(x2, w_up, s_up, g, h)
+            self.up.unchecked(x2, w_up, *(() if s_up is None else (s_up,)), g, h)
             if b_up is not None:
                 h += torch.relu(g) * b_up
         else:
             h = torch.relu(g if b_up is None else g + b_up).contiguous()  # [t, n]
         tokptr, rows = prefill_runs(h)
         y = aligned_empty((self.parts, t, d))  # [parts, t, d_model]: each thread's rows' sums
-        self.down.unchecked(h, tokptr, rows, w_down_t, s_down, y)
+        self.down.unchecked(h, tokptr, rows, w_down_t, *(() if s_down is None else (s_down,)), y)
         return y.sum(0).reshape(x.shape).to(x.dtype)
 
     def __repr__(self) -> str:
@@ -98,13 +98,13 @@ def prefill_kernels(weight_dtype: str, d_model: int, block: int, gated: bool) ->
     return (out[0], out[1]) if gated else (None, out[0])
 
 
-def _why_not(part: dict[str, Any], gm: fx.GraphModule, act: str) -> str:
+def _why_not(part: dict[str, Any], act: str, copies: bool) -> str:
     if act != "relu":
         return f"act {act!r} (only a ReLU's zeros can be skipped exactly)"
-    if part.get("s_down") is None or (part["w_gate"] is not None and part.get("s_up") is None):
-        return "float weights (the prefill kernels read int8 / int4 rows)"
     if "w_down_t" not in part:
         return "the down projection is not stored neuron-major"
+    if not copies and part.get("s_down") is not None:
+        return "int8 / int4 rows with prefill dtype 'weights' (no copy for the gate GEMM)"
     return ""
 
 
@@ -114,17 +114,17 @@ def sparse_prefill_ffn(gm: fx.GraphModule, prefill_dtype: str) -> tuple[int, lis
     from picompile.ir.ops import deq
     from picompile.runtime.prefill_gemm import gemm_layout, node_parts
 
-    dtype = COPY_DTYPES.get(prefill_dtype)
+    if prefill_dtype not in (None, *COPY_DTYPES):
+        return 0, [f"prefill dtype {prefill_dtype!r} converts weights per call (no copy for the gate GEMM)"]
+    dtype = COPY_DTYPES.get(prefill_dtype) if prefill_dtype else None  # None: the stored float rows as they are
     skipped: list[str] = []
-    if dtype is None:
-        return 0, [f"prefill dtype {prefill_dtype!r} makes no weight copies"]
     done = 0
     for node in list(gm.graph.nodes):
         found = node_parts(node)
         if found is None:
             continue
         parts, x, bias, act, layer = found
-        reasons = [_why_not(p, gm, act) for p in parts]
+        reasons = [_why_not(p, act, dtype is not None) for p in parts]
         if any(reasons):
             skipped.append(f"layer {layer}: {next(r for r in reasons if r)}")
             continue
@@ -135,15 +135,20 @@ def sparse_prefill_ffn(gm: fx.GraphModule, prefill_dtype: str) -> tuple[int, lis
                 if q_down.shape[0] == 0:
                     continue
                 gated = p["w_gate"] is not None
-                s_down = get_tensor(gm, p["s_down"])
-                wdt = "int4" if q_down.dtype == torch.uint8 else "int8"
+                s_down = None if p.get("s_down") is None else get_tensor(gm, p["s_down"])
+                wdt = {torch.uint8: "int4", torch.int8: "int8"}.get(q_down.dtype, str(q_down.dtype).removeprefix("torch."))
                 d = int(q_down.shape[1]) * (2 if wdt == "int4" else 1)  # d_model
-                up, down = prefill_kernels(wdt, d, d // int(s_down.shape[1]), gated)
+                block = d // int(s_down.shape[1]) if s_down is not None else 32
+                up, down = prefill_kernels(wdt, d, block, gated)
                 src, scales = ("w_gate", "s_gate") if gated else ("w_up", "s_up")
-                w_in = gemm_layout(deq(get_tensor(gm, p[src]), get_tensor(gm, p[scales])), dtype)
+                if dtype is None:  # the stored float rows: no copy (lin widens float16 per call where it must)
+                    w_in: Any = p[src]
+                else:
+                    s_in = None if p.get(scales) is None else get_tensor(gm, p[scales])
+                    w_in = gemm_layout(deq(get_tensor(gm, p[src]), s_in), dtype)
                 b_up = None if p["b_up"] is None else get_tensor(gm, p["b_up"]).float()
-                weights = [w_in, b_up, p["w_up"] if gated else None, p["s_up"] if gated else None,
-                           p["w_down_t"], p["s_down"]]
+                weights = [w_in, b_up, p["w_up"] if gated else None, p.get("s_up") if gated else None,
+                           p["w_down_t"], p.get("s_down")]
                 calls.append((SparsePrefillFFN(layer, gated, up, down), weights))
         except (ValueError, RuntimeError) as e:  # no kernel for this CPU or shape: the dense GEMMs stay
             skipped.append(f"layer {layer}: {(str(e).splitlines() or [''])[0]}")
