@@ -16,13 +16,14 @@ its gate GEMM plus about a tenth of the up and down multiply-adds: exact maths, 
   ``x`` quantized as the one-token ``up`` kernel does, then parallel over blocks of ``ROWS`` rows (the block's
   rows stay in L2 for all tokens); per token, its quants copied into the thread's buffers when one of the
   block's gates fired for it, then ``row_dot`` (the one-token kernel's sums, so the maths are decode's) for
-  each such row. Arguments ``(x [t, d], w, s, g [t, n], h [t, n])``.
-* ``prefill_down`` (int8 / int4, any x86 / LLVM target: float maths): each of the build's cores takes a
+  each such row. Arguments ``(x [t, d], w, s, g [t, n], h [t, n])``. Float16 / float32 rows (any target):
+  the same loops with float32 dot products of 16 lanes, ``(x, w, g, h)``.
+* ``prefill_down`` (float16 / float32 / int8 / int4, any LLVM CPU target: float maths): each of the build's cores takes a
   contiguous run of rows and reads it once, ``TILE`` rows at a time; per tile and chunk of ``chunk_columns``
   columns the rows are dequantized into a float tile, then per token its active rows of the tile (``tokptr``
   [t + 1] and ``rows`` [nnz + 1] int32, by token, ascending, a sentinel ``n`` last: ``prefill_runs``) are summed
   into ``LANES`` columns held in registers. Each core writes its own ``y[p]``; the caller adds the parts.
-  Arguments ``(h [t, n], tokptr, rows, w, s, y [parts, t, d])``.
+  Arguments ``(h [t, n], tokptr, rows, w, s, y [parts, t, d])`` (float rows: no ``s``).
 
 AMD Zen 2, 2 threads, the 1B int4 (d 2048, 5632 neurons), 64 tokens, ~10.6 % of the pairs active, in a
 prefill (weights from DRAM): per layer up 4.4 ms and down 5.1 ms against 11.3 ms for each dense float32 GEMM on

@@ -1,21 +1,25 @@
 """Prefill's ReLU FFNs computed only where their gates fired: ``sparse_prefill_ffn`` (load step ``sparse-prefill-ffn``).
 
-A mask-free ReLU FFN node of the prefill graph (int8 / int4 rows on the CPU) → one ``SparsePrefillFFN`` call per
-part: the gate (non-gated: up) rows as one dense GEMM on a copy in the prefill dtype (``prefill_gemm.gemm_layout``),
-then the up and down rows of the artifact itself only for the (neuron, token) pairs whose gate is positive
-(``kernels/cpu_prefill.py``: kinds ``prefill_up``, ``prefill_down``). A ReLU output of 0 contributes nothing, so
-this is the dense FFN's maths, no predictor involved; up's dot products are integer (x quantized to int8 per
-block, as decode's kernels and llama.cpp's q4_0 × q8_0 do: ~4e-3 relative error per output against float x).
+A mask-free ReLU FFN node of the prefill graph (its parts on the CPU) → one ``SparsePrefillFFN`` call per part:
+the gate (non-gated: up) rows as one dense GEMM — on a copy in the prefill dtype (``prefill_gemm.gemm_layout``),
+or on the stored float rows where prefill makes no copies (``ops.lin``) — then the up and down rows of the
+artifact itself only for the (token, neuron) pairs whose gate is positive (``kernels/cpu_prefill.py``: kinds
+``prefill_up``, ``prefill_down``). A ReLU output of 0 contributes nothing, so this is the dense FFN's maths, no
+predictor involved: float16 / float32 rows in float32; int8 / int4 rows with up's dot products integer (x
+quantized to int8 per block, as decode's kernels and llama.cpp's q4_0 × q8_0 do: ~4e-3 relative error per output
+against float x).
 
 AMD Zen 2, 2 threads, the 1B int4 (d 2048, 5632 neurons, 64 tokens, ~10.6 % of the pairs active): per layer
 the dense prefill FFN (two float32 GEMMs on packed copies, 11.3 ms each) 33.7 ms, this 11.3 (gate GEMM) + 4.4
-(up) + 0.6 (runs) + 5.1 (down) ms; the whole 64-token prefill 59.8 → 74.7 tok/s with the first kernels, 87.8 in
-``picompile bench`` (benchmarks/README.md). The float32 copies it keeps are the gate's alone.
+(up) + 0.6 (runs) + 5.1 (down) ms; the whole prefill 1.36× the dense one at 64 tokens, 1.37× at 512
+(``benchmarks/prefill.py --settings auto,dense-ffn``; benchmarks/README.md). The copies it makes are the gate's
+alone.
 
-Applies where every condition holds, else the node is left to ``compute-dtype``'s dense GEMMs (the reason kept
-in ``session.sparse_prefill_skipped``): act ``relu`` (gated: on the gate; else on up), no gate bias,
-int8 / int4 weights, a CPU whose integer dot products ``cpu_qdot`` has (AVX2 and up; non-gated needs only the
-down kernel), the prefill dtype a copy dtype (float32 / bfloat16).
+Applies where every condition holds, else the node is left to the dense GEMMs (``compute-dtype``; the reason kept
+in ``session.sparse_prefill_skipped``): act ``relu`` (gated: on the gate; else on up), no gate bias, the down
+rows neuron-major, a kernel for the rows (float16 / float32: any CPU, ``d_model`` a multiple of 16; int8 / int4:
+the integer dot products of ``cpu_qdot``, AVX2 and up, for a gated FFN's up), prefill dtype ``float32`` /
+``bfloat16`` copies or the weights' own (int8 / int4 rows need a copy for the gate), not ``bfloat16-stream``.
 """
 from __future__ import annotations
 
