@@ -87,7 +87,8 @@ def describe_up(spec: KernelSpec, isa: str | None) -> tirx.PrimFunc:
     sh = cpu_qdot._shape(up)
     nb, RB, NL = sh["nb"], sh["RB"], sh["NL"]
     qdt = "uint8" if spec.weight_dtype == "int4" else "int8"
-    prep_x, row_dot = cpu_qdot._macros(up, isa)
+    _, row_dot = cpu_qdot._macros(up, isa)
+    prep_tokens, take_token = cpu_qdot.token_macros(up, isa)
     R = ROWS
 
     @T.prim_func(check_well_formed=False)
@@ -104,23 +105,7 @@ def describe_up(spec: KernelSpec, isa: str | None) -> tirx.PrimFunc:
         qb = T.decl_buffer((t, RB), "int8", align=64)
         qc = T.decl_buffer((t, NL), "int32", align=64)
         qd = T.decl_buffer((t, NL), "float32", align=64)
-        x1 = T.decl_buffer((d,), "float32", align=64)
-        ya = T.decl_buffer((RB,), "int8", align=64)
-        yb = T.decl_buffer((RB,), "int8", align=64)
-        yc = T.decl_buffer((NL,), "int32", align=64)
-        yd = T.decl_buffer((NL,), "float32", align=64)
-        dx = T.decl_buffer((nb,), "float32")
-        m16 = T.decl_buffer((16,), "float32", align=64)
-        for tt in range(t):  # serial, before the parallel region
-            for i in range(d // 16):
-                x1[T.ramp(i * 16, 1, 16)] = x[tt, T.ramp(i * 16, 1, 16)]
-            prep_x(x1, ya, yb, yc, yd, dx, m16)
-            for i in range(RB // 16):
-                qa[tt, T.ramp(i * 16, 1, 16)] = ya[T.ramp(i * 16, 1, 16)]
-                qb[tt, T.ramp(i * 16, 1, 16)] = yb[T.ramp(i * 16, 1, 16)]
-            for i in range(NL):
-                qc[tt, i] = yc[i]
-                qd[tt, i] = yd[i]
+        prep_tokens(x, qa, qb, qc, qd, t)  # serial, before the parallel region
         for blk in T.parallel((n + R - 1) // R):
             acc = T.decl_buffer((16,), "float32", align=64)
             res = T.decl_buffer((1,), "float32")
@@ -140,12 +125,7 @@ def describe_up(spec: KernelSpec, isa: str | None) -> tirx.PrimFunc:
                         if g[tt, blk * R + jj] > T.float32(0):
                             fired[0] = fired[0] + 1
                 if fired[0] > 0:
-                    for i in range(RB // 16):
-                        xa[T.ramp(i * 16, 1, 16)] = qa[tt, T.ramp(i * 16, 1, 16)]
-                        xb[T.ramp(i * 16, 1, 16)] = qb[tt, T.ramp(i * 16, 1, 16)]
-                    for i in range(NL):
-                        xc[i] = qc[tt, i]
-                        xd[i] = qd[tt, i]
+                    take_token(qa, qb, qc, qd, tt, xa, xb, xc, xd)
                     for jj in range(R):
                         if blk * R + jj < n:
                             if g[tt, blk * R + jj] > T.float32(0):

@@ -238,6 +238,48 @@ def describe_up(spec: KernelSpec, isa: str) -> tirx.PrimFunc:
 BATCH_ROWS: int = 64  # several-token ``up``: rows per parallel block (64 int4 rows of d 2048: 74 KB, L2-resident)
 
 
+def token_macros(spec: KernelSpec, isa: str):  # -> (prep_tokens, take_token): TVMScript macros
+    """Several tokens' x for ``row_dot``: ``prep_tokens(x, qa, qb, qc, qd, t)`` quantizes each row of ``x`` [t, d]
+    as the one-token kernel does (``prep_x``; serial, before a parallel region) into ``qa``/``qb`` [t, RB] and
+    ``qc``/``qd`` [t, NL]; ``take_token(qa, qb, qc, qd, tt, xa, xb, xc, xd)`` copies token ``tt``'s into a thread's
+    one-token buffers."""
+    d = spec.d_model
+    sh = _shape(spec)
+    nb, RB, NL = sh["nb"], sh["RB"], sh["NL"]
+    prep_x, _ = _macros(spec, isa)
+
+    @T.macro(hygienic=True)
+    def prep_tokens(x, qa, qb, qc, qd, t):
+        x1 = T.decl_buffer((d,), "float32", align=64)
+        ya = T.decl_buffer((RB,), "int8", align=64)
+        yb = T.decl_buffer((RB,), "int8", align=64)
+        yc = T.decl_buffer((NL,), "int32", align=64)
+        yd = T.decl_buffer((NL,), "float32", align=64)
+        dx = T.decl_buffer((nb,), "float32")
+        m16 = T.decl_buffer((16,), "float32", align=64)
+        for tt in range(t):
+            for i in range(d // 16):
+                x1[T.ramp(i * 16, 1, 16)] = x[tt, T.ramp(i * 16, 1, 16)]
+            prep_x(x1, ya, yb, yc, yd, dx, m16)
+            for i in range(RB // 16):
+                qa[tt, T.ramp(i * 16, 1, 16)] = ya[T.ramp(i * 16, 1, 16)]
+                qb[tt, T.ramp(i * 16, 1, 16)] = yb[T.ramp(i * 16, 1, 16)]
+            for i in range(NL):
+                qc[tt, i] = yc[i]
+                qd[tt, i] = yd[i]
+
+    @T.macro(hygienic=True)
+    def take_token(qa, qb, qc, qd, tt, xa, xb, xc, xd):
+        for i in range(RB // 16):
+            xa[T.ramp(i * 16, 1, 16)] = qa[tt, T.ramp(i * 16, 1, 16)]
+            xb[T.ramp(i * 16, 1, 16)] = qb[tt, T.ramp(i * 16, 1, 16)]
+        for i in range(NL):
+            xc[i] = qc[tt, i]
+            xd[i] = qd[tt, i]
+
+    return prep_tokens, take_token
+
+
 def describe_up_batched(spec: KernelSpec, isa: str) -> tirx.PrimFunc:
     """The several-token ``up`` kernel ``h[t, j] = act(w[idx[j]] · x[t])``, arguments ``(x [t, d], w, s, idx,
     h [t, k])``: each token's x quantized as the one-token kernel does (``prep_x``, before the parallel region),
@@ -245,6 +287,7 @@ def describe_up_batched(spec: KernelSpec, isa: str) -> tirx.PrimFunc:
     then the block's dot products (``row_dot``: the one-token kernel's sums, so a token's result is the same
     alone or beside others; the block's rows come from memory once and from cache for the other tokens)."""
     d, n, qdt, nb, RB, NL, act, (prep_x, row_dot) = _up_setup(spec, isa)
+    prep_tokens, take_token = token_macros(spec, isa)
     R = BATCH_ROWS
 
     @T.prim_func(check_well_formed=False)
@@ -261,23 +304,7 @@ def describe_up_batched(spec: KernelSpec, isa: str) -> tirx.PrimFunc:
         qb = T.decl_buffer((t, RB), "int8", align=64)
         qc = T.decl_buffer((t, NL), "int32", align=64)
         qd = T.decl_buffer((t, NL), "float32", align=64)
-        x1 = T.decl_buffer((d,), "float32", align=64)
-        ya = T.decl_buffer((RB,), "int8", align=64)
-        yb = T.decl_buffer((RB,), "int8", align=64)
-        yc = T.decl_buffer((NL,), "int32", align=64)
-        yd = T.decl_buffer((NL,), "float32", align=64)
-        dx = T.decl_buffer((nb,), "float32")
-        m16 = T.decl_buffer((16,), "float32", align=64)
-        for tt in range(t):  # serial, before the parallel region
-            for i in range(d // 16):
-                x1[T.ramp(i * 16, 1, 16)] = x[tt, T.ramp(i * 16, 1, 16)]
-            prep_x(x1, ya, yb, yc, yd, dx, m16)
-            for i in range(RB // 16):
-                qa[tt, T.ramp(i * 16, 1, 16)] = ya[T.ramp(i * 16, 1, 16)]
-                qb[tt, T.ramp(i * 16, 1, 16)] = yb[T.ramp(i * 16, 1, 16)]
-            for i in range(NL):
-                qc[tt, i] = yc[i]
-                qd[tt, i] = yd[i]
+        prep_tokens(x, qa, qb, qc, qd, t)  # serial, before the parallel region
         for blk in T.parallel((k + R - 1) // R):
             acc = T.decl_buffer((16,), "float32", align=64)
             res = T.decl_buffer((1,), "float32")
@@ -286,12 +313,7 @@ def describe_up_batched(spec: KernelSpec, isa: str) -> tirx.PrimFunc:
             xc = T.decl_buffer((NL,), "int32", align=64)
             xd = T.decl_buffer((NL,), "float32", align=64)
             for tt in range(t):
-                for i in range(RB // 16):
-                    xa[T.ramp(i * 16, 1, 16)] = qa[tt, T.ramp(i * 16, 1, 16)]
-                    xb[T.ramp(i * 16, 1, 16)] = qb[tt, T.ramp(i * 16, 1, 16)]
-                for i in range(NL):
-                    xc[i] = qc[tt, i]
-                    xd[i] = qd[tt, i]
+                take_token(qa, qb, qc, qd, tt, xa, xb, xc, xd)
                 for jj in range(R):
                     if blk * R + jj < k:
                         row_dot(w, s, xa, xb, xc, xd, idx[blk * R + jj], idx[T.min(blk * R + jj + 1, k - 1)], acc, res)
