@@ -141,6 +141,7 @@ def describe_up_float(spec: KernelSpec) -> tirx.PrimFunc:
     if not applies(spec, None) or spec.quantized:
         raise ValueError(f"no float prefill_up kernel for {spec}")
     d, wdt, R = spec.d_model, spec.weight_dtype, ROWS
+    A = 4 if d % 64 == 0 else 1  # independent 16-lane accumulators (one alone is an FMA latency chain)
 
     @T.prim_func(check_well_formed=False)
     def prefill_up(xh: T.handle, wh: T.handle, gh: T.handle, hh: T.handle) -> None:
@@ -152,16 +153,21 @@ def describe_up_float(spec: KernelSpec) -> tirx.PrimFunc:
         g = T.match_buffer(gh, (t, n), "float32")  # [t, n_rows]: the gate GEMM's output
         h = T.match_buffer(hh, (t, n), "float32")  # [t, n_rows]
         for blk in T.parallel((n + R - 1) // R):
-            acc = T.decl_buffer((16,), "float32", align=64)
+            acc = T.decl_buffer((16 * A,), "float32", align=64)
             for tt in range(t):
                 for jj in range(R):
                     if blk * R + jj < n:
                         h[tt, blk * R + jj] = T.float32(0)
                         if g[tt, blk * R + jj] > T.float32(0):
-                            acc[T.ramp(0, 1, 16)] = T.Broadcast(T.float32(0), 16)
-                            for c in range(d // 16):
-                                acc[T.ramp(0, 1, 16)] = acc[T.ramp(0, 1, 16)] + T.Cast(
-                                    "float32x16", w[blk * R + jj, T.ramp(c * 16, 1, 16)]) * x[tt, T.ramp(c * 16, 1, 16)]
+                            for a in T.unroll(A):
+                                acc[T.ramp(a * 16, 1, 16)] = T.Broadcast(T.float32(0), 16)
+                            for c in range(d // (16 * A)):
+                                for a in T.unroll(A):
+                                    col = T.bind((c * A + a) * 16)
+                                    acc[T.ramp(a * 16, 1, 16)] = acc[T.ramp(a * 16, 1, 16)] + T.Cast(
+                                        "float32x16", w[blk * R + jj, T.ramp(col, 1, 16)]) * x[tt, T.ramp(col, 1, 16)]
+                            for a in T.unroll(1, A):
+                                acc[T.ramp(0, 1, 16)] = acc[T.ramp(0, 1, 16)] + acc[T.ramp(a * 16, 1, 16)]
                             h[tt, blk * R + jj] = g[tt, blk * R + jj] * T.call_llvm_pure_intrin(
                                 "float32", "llvm.vector.reduce.fadd", T.float32(0), acc[T.ramp(0, 1, 16)])
 
