@@ -113,15 +113,27 @@ def test_gated_relu_prefill(tmp_path: Path) -> None:
     assert picompile.load(art, prefill_dtype="weights").sparse_prefill_parts == 0  # no copy for the gate GEMM
 
 
-def test_relu_and_silu_prefill(checkpoints: dict, tmp_path: Path) -> None:
+def test_relu_and_silu_prefill(checkpoints: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """OPT-ReLU (not gated, d_model 64): the up GEMM stays dense, the down rows only where h > 0 — the dense
-    maths to float rounding. Llama-SiLU: no exact zeros, left to the dense GEMMs with the reason."""
+    maths to float rounding. No kernel to be had (no TVM compiler): the dense GEMMs, with the reason.
+    Llama-SiLU: no exact zeros, left to the dense GEMMs with the reason."""
     art = _build(checkpoints[("opt", "relu")], tmp_path / "o.pic")
     sparse = picompile.load(art, prefill_dtype="float32")
     dense = picompile.load(art, prefill_dtype="float32", sparse_prefill=False)
     fns = _steps(sparse)
     assert len(fns) == sparse.sparse_prefill_parts >= 2 and not any(f.gated for f in fns)
     assert _rel(sparse.logits(PROMPT), dense.logits(PROMPT)) < 1e-5
+    from picompile.runtime import prefill_sparse
+
+    def no_compiler(*args: object) -> None:
+        raise ImportError("tvm's compiler is not installed")
+
+    monkeypatch.setattr(prefill_sparse, "prefill_kernels", no_compiler)
+    without = picompile.load(art, prefill_dtype="float32")
+    assert without.sparse_prefill_parts == 0 and not _steps(without)
+    assert any("not installed" in r for r in without.sparse_prefill_skipped)
+    assert _rel(without.logits(PROMPT), dense.logits(PROMPT)) < 1e-6
+    monkeypatch.undo()
     silu = picompile.load(_build(checkpoints[("llama", "silu")], tmp_path / "s.pic"), prefill_dtype="float32")
     assert silu.sparse_prefill_parts == 0 and not _steps(silu)
     assert any("act 'silu'" in r for r in silu.sparse_prefill_skipped)
