@@ -40,3 +40,5 @@ def test_report_warns_only_far_below_the_probe() -> None:
     tiny = _prefill_gemm_notes({**big, "gemm_flop_per_token": 1e6, "prefill_gemm_gflops": 1.0})  # dispatch-bound
     assert len(tiny) == 1 and "warning" not in tiny[0]
     assert _prefill_gemm_notes({"prompt_len": 64}) == []  # no probe (a config the shape reader does not know)
+    gated = _prefill_gemm_notes({**big, "prefill_gemm_gflops": 400.0, "sparse_prefill_parts": 22})  # above the probe
+    assert len(gated) == 1 and "counted as dense GEMMs' FLOPs, though 22 ReLU FFN parts" in gated[0]

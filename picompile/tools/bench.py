@@ -198,6 +198,7 @@ def _with_gemm_probe(result: dict[str, Any], lineup: Lineup) -> dict[str, Any]:
     """``result`` plus the machine's GEMM rate on the model's prefill shape and prefill's own (``gemm_probe``)."""
     from picompile.tools.gemm_probe import prefill_gemm_rate
 
+    result["sparse_prefill_parts"] = int(getattr(lineup.session, "sparse_prefill_parts", 0))
     try:
         result.update(prefill_gemm_rate(lineup.session.manifest.model.get("config", {}), result["prompt_len"],
                                         result["prefill_tokens_per_s"]))

@@ -139,6 +139,9 @@ def _prefill_gemm_notes(result: dict[str, Any]) -> list[str]:
     each = ", ".join(f"{k} {v:.0f}" for k, v in probe.items())
     text = (f"prefill GEMMs ran at {rate:.0f} GFLOP/s (all of prefill's time counted), {rate / best:.0%} of a bare "
             f"{dtype} GEMM of the FFN's shape at prompt {result['prompt_len']} here ({each} GFLOP/s)")
+    if result.get("sparse_prefill_parts"):  # fewer FLOPs done than counted: the rate is a dense-equivalent one
+        text += (f"; counted as dense GEMMs' FLOPs, though {result['sparse_prefill_parts']} ReLU FFN parts compute "
+                 "their up and down rows only where the gate fired")
     big = result.get("gemm_flop_per_token", 0) * result["prompt_len"] >= PREFILL_GEMM_MIN_FLOP  # else dispatch-bound
     if big and rate < PREFILL_GEMM_WARN * best:
         return [f"[yellow]warning: {text}: a prefill GEMM path runs far below this machine's rate[/yellow]"]
