@@ -66,6 +66,9 @@ class Session:
         # FFN parts whose prefill computes up / down only where a ReLU gate fired (runtime/prefill_sparse.py)
         self.sparse_prefill_parts: int = int(notes.get("sparse_prefill_parts", 0))
         self.sparse_prefill_skipped: list[str] = list(notes.get("sparse_prefill_skipped", []))  # why not, per FFN
+        if self.sparse_prefill_parts and self.prefill_dtype in ("float32", "bfloat16"):
+            self.prefill_reason += (f"; {self.sparse_prefill_parts} ReLU FFN parts computed where their gate fires: "
+                                    "of their weights only the gates were copied")
         self.kv: KVArenas | None = notes.get("kv")  # the in-place KV cache (None: every step concatenates the past)
         self.kv_reason: str = notes.get("kv_reason", "kv_in_place=False")
         # lm_head for the last prompt position only, when a caller asks (runtime/logit_rows.py; None: every row)

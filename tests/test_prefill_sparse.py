@@ -105,6 +105,8 @@ def test_gated_relu_prefill(tmp_path: Path) -> None:
     fns = _steps(sparse)
     assert sparse.sparse_prefill_parts == len(fns) == 2 and all(f.gated and f.up is not None for f in fns)
     assert not _steps(dense) and sparse.sparse_prefill_skipped == []
+    assert "2 ReLU FFN parts computed where their gate fires" in sparse.prefill_reason
+    assert "gate fires" not in dense.prefill_reason
     a, b = sparse.logits(PROMPT), dense.logits(PROMPT)
     assert _rel(a, b) < 3e-2  # measured ~6e-3
     assert float((a.argmax(-1) == b.argmax(-1)).float().mean()) >= 0.9
