@@ -23,7 +23,6 @@ import mmap
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -277,12 +276,7 @@ def _signature(spec: KernelSpec, batched: bool) -> list[_Arg]:
         scales = [_Arg("s_up", torch.float16, ("r", d // spec.block))] if spec.quantized else []
         return [q, *scales, _Arg("out", torch.bfloat16, ("r", d))]
     if spec.kind in ("prefill_up", "prefill_down"):  # rows "r" symbolic, several tokens (kernels/cpu_prefill.py)
-        q = {"int8": _Arg("", torch.int8, ("r", d)), "int4": _Arg("", torch.uint8, ("r", d // 2))}.get(
-            spec.weight_dtype, _Arg("", w, ("r", d)))
-        name, scales = ("w_up", "s_up") if spec.kind == "prefill_up" else ("w_down_t", "s_down")
-        weight = [dataclasses.replace(q, name=name)]
-        if spec.quantized:
-            weight.append(_Arg(scales, torch.float16, ("r", d // spec.block)))
+        weight = _weight_args(spec, "w_up" if spec.kind == "prefill_up" else "w_down_t", rows="r")
         if spec.kind == "prefill_up":
             return [_Arg("x", torch.float32, ("t", d)), *weight, _Arg("g", torch.float32, ("t", "r")),
                     _Arg("h", torch.float32, ("t", "r"))]
@@ -320,10 +314,12 @@ def _signature(spec: KernelSpec, batched: bool) -> list[_Arg]:
 _SCALES: dict[str, str] = {"w_up": "s_up", "w_gate": "s_gate", "w_down_t": "s_down"}  # = compute.SCALE_NAMES
 
 
-def _weight_args(spec: KernelSpec, name: str) -> list[_Arg]:
+def _weight_args(spec: KernelSpec, name: str, rows: str | None = None) -> list[_Arg]:
     """A weight's arguments: the float array, or a quantized weight's quants then its float16 scales
-    (``qformat.py``: int8 ``[n, d]``, int4 packed uint8 ``[n, d/2]``; scales ``[n, d/block]``)."""
-    n, d = spec.n_rows, spec.d_model
+    (``qformat.py``: int8 ``[n, d]``, int4 packed uint8 ``[n, d/2]``; scales ``[n, d/block]``); ``rows``: a
+    symbolic row count's name instead of ``spec.n_rows``."""
+    n: str | int = spec.n_rows if rows is None else rows
+    d = spec.d_model
     if not spec.quantized:
         return [_Arg(name, _TORCH_DTYPES[spec.weight_dtype], (n, d))]
     q = _Arg(name, torch.int8, (n, d)) if spec.weight_dtype == "int8" else _Arg(name, torch.uint8, (n, d // 2))

@@ -42,9 +42,10 @@ def load(path: str | Path, verify: bool = True, dense: bool = False, hybrid: str
     (``session.graph.meta["realigned_bytes"]``): resident memory is what the page cache holds of the file.
     ``native``: decode calls its CPU kernels through the C++ ops (``runtime/native.py``; default); False keeps
     the Python kernel calls (each one seen by ``picompile.kernels.table.KERNEL_TABLE``: recording, replay).
-    ``sparse_prefill``: a ReLU FFN's prompt tokens computed only where their gate fired (int8 / int4 weights,
-    load step ``sparse-prefill-ffn``, ``runtime/prefill_sparse.py``; default; ``session.sparse_prefill_parts``
-    counts them); False keeps the dense GEMMs. The same maths either way (up's dot products integer).
+    ``sparse_prefill``: a ReLU FFN's up and down rows computed in prefill only for the tokens whose gate fired
+    (load step ``sparse-prefill-ffn``, ``runtime/prefill_sparse.py``; default; ``session.sparse_prefill_parts``
+    counts them, ``sparse_prefill_skipped`` says why not); False keeps the dense GEMMs. The same maths either way
+    (int8 / int4 up dot products on int8-quantized x, as decode's kernels).
     """
     from picompile.errors import InputError
 

@@ -50,9 +50,7 @@ def split_kernels(key: str) -> tuple[Any, Any]:
     the kernel cache on first use). Raises RuntimeError when ``key`` is not a loaded fused CPU kernel."""
     if key in _SPLIT:
         return _SPLIT[key]
-    from picompile.config import kernel_cache_dir
-    from picompile.kernels import build_kernel, load_kernel
-    from picompile.kernels.table import add_kernel, find_kernel
+    from picompile.kernels.table import find_kernel, local_kernel
 
     fused = find_kernel(key)
     spec = getattr(fused, "spec", None)
@@ -60,14 +58,7 @@ def split_kernels(key: str) -> tuple[Any, Any]:
         raise RuntimeError(f"kernel {key} is not a loaded fused CPU FFN kernel")
     up_spec = dataclasses.replace(spec, kind="up_gated" if spec.kind == "ffn_gated" else "up")
     down_spec = dataclasses.replace(spec, kind="down", act="none", has_bias=False)
-    pair = []
-    for s in (up_spec, down_spec):
-        kern = find_kernel(s.key())
-        if kern is None:
-            kern = load_kernel(build_kernel(s, kernel_cache_dir()), s)
-            add_kernel(s.key(), kern)
-        pair.append(kern)
-    _SPLIT[key] = (pair[0], pair[1])
+    _SPLIT[key] = (local_kernel(up_spec), local_kernel(down_spec))
     return _SPLIT[key]
 
 

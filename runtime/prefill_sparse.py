@@ -85,21 +85,13 @@ class SparsePrefillFFN:
 def prefill_kernels(weight_dtype: str, d_model: int, block: int, gated: bool) -> tuple[Any, Any]:
     """The (prefill_up or None, prefill_down) kernels for this weight format, compiled here (or taken from the
     kernel cache); raises ValueError where this CPU has none (``cpu_prefill.applies``)."""
-    from picompile.config import kernel_cache_dir
-    from picompile.kernels import build_kernel, load_kernel
     from picompile.kernels.spec import KernelSpec
-    from picompile.kernels.table import add_kernel, find_kernel
+    from picompile.kernels.table import local_kernel
 
-    base = KernelSpec(kind="prefill_down", act="none", d_model=d_model, n_rows=1, weight_dtype=weight_dtype,  # type: ignore[arg-type]
+    down = KernelSpec(kind="prefill_down", act="none", d_model=d_model, n_rows=1, weight_dtype=weight_dtype,  # type: ignore[arg-type]
                       has_bias=False, target="llvm", block=block)
-    out = []
-    for spec in ([dataclasses.replace(base, kind="prefill_up")] if gated else []) + [base]:
-        kern = find_kernel(spec.key())
-        if kern is None:
-            kern = load_kernel(build_kernel(spec, kernel_cache_dir()), spec)
-            add_kernel(spec.key(), kern)
-        out.append(kern)
-    return (out[0], out[1]) if gated else (None, out[0])
+    up = local_kernel(dataclasses.replace(down, kind="prefill_up")) if gated else None
+    return up, local_kernel(down)
 
 
 def _why_not(part: dict[str, Any], act: str, copies: bool) -> str:
@@ -116,6 +108,7 @@ def sparse_prefill_ffn(gm: fx.GraphModule, prefill_dtype: str) -> tuple[int, lis
     """Rewrite ``gm``'s eligible FFN nodes in place (module docstring): the number of parts rewritten, and why
     each FFN left as it was was left."""
     from picompile.ir.ops import deq
+    from picompile.kernels.qformat import format_of
     from picompile.runtime.prefill_gemm import gemm_layout, node_parts
 
     if prefill_dtype not in (None, *COPY_DTYPES):
@@ -139,10 +132,11 @@ def sparse_prefill_ffn(gm: fx.GraphModule, prefill_dtype: str) -> tuple[int, lis
                 if q_down.shape[0] == 0:
                     continue
                 gated = p["w_gate"] is not None
-                s_down = None if p.get("s_down") is None else get_tensor(gm, p["s_down"])
-                wdt = {torch.uint8: "int4", torch.int8: "int8"}.get(q_down.dtype, str(q_down.dtype).removeprefix("torch."))
-                d = int(q_down.shape[1]) * (2 if wdt == "int4" else 1)  # d_model
-                block = d // int(s_down.shape[1]) if s_down is not None else 32
+                if p.get("s_down") is None:  # float rows
+                    wdt, d, block = str(q_down.dtype).removeprefix("torch."), int(q_down.shape[1]), 32
+                else:
+                    fmt = format_of(q_down, get_tensor(gm, p["s_down"]))
+                    wdt, d, block = fmt.name, int(q_down.shape[1]) * (2 if fmt.name == "int4" else 1), fmt.block
                 up, down = prefill_kernels(wdt, d, block, gated)
                 src, scales = ("w_gate", "s_gate") if gated else ("w_up", "s_up")
                 if dtype is None:  # the stored float rows: no copy (lin widens float16 per call where it must)
