@@ -7,8 +7,6 @@ whichever artifact named it (its key is the hash of its spec), so two loaded art
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
 
@@ -24,19 +22,6 @@ def find_kernel(key: str) -> object | None:
 def add_kernel(key: str, kernel: object) -> None:
     """Make ``kernel`` the loaded kernel ``key`` (the runtime's kernel loader)."""
     KERNEL_TABLE[key] = kernel
-
-
-def local_kernel(spec: Any) -> object:
-    """The loaded kernel of ``spec`` (a ``KernelSpec``), else compiled on this machine (or taken from the kernel
-    cache), loaded and added to the table: the kernels the runtime derives from an artifact's own."""
-    from picompile.config import kernel_cache_dir
-    from picompile.kernels import build_kernel, load_kernel
-
-    kern = find_kernel(spec.key())
-    if kern is None:
-        kern = load_kernel(build_kernel(spec, kernel_cache_dir()), spec)
-        add_kernel(spec.key(), kern)
-    return kern
 
 
 def threshold_tensor(value: float) -> Tensor:

@@ -50,7 +50,8 @@ def split_kernels(key: str) -> tuple[Any, Any]:
     the kernel cache on first use). Raises RuntimeError when ``key`` is not a loaded fused CPU kernel."""
     if key in _SPLIT:
         return _SPLIT[key]
-    from picompile.kernels.table import find_kernel, local_kernel
+    from picompile.kernels.table import find_kernel
+    from picompile.runtime.loader import local_kernel
 
     fused = find_kernel(key)
     spec = getattr(fused, "spec", None)

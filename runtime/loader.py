@@ -199,6 +199,20 @@ def check_kernel_source(source: str) -> None:
         raise InputError(f"kernels must be one of {', '.join(KERNEL_SOURCES)}, got {source!r}")
 
 
+def local_kernel(spec: Any) -> object:
+    """The loaded kernel of ``spec`` (a ``KernelSpec``), else compiled on this machine (or taken from the kernel
+    cache), loaded and added to the table: the kernels the runtime derives from an artifact's own."""
+    from picompile.config import kernel_cache_dir
+    from picompile.kernels import build_kernel, load_kernel
+    from picompile.kernels.table import add_kernel, find_kernel
+
+    kern = find_kernel(spec.key())
+    if kern is None:
+        kern = load_kernel(build_kernel(spec, kernel_cache_dir()), spec)
+        add_kernel(spec.key(), kern)
+    return kern
+
+
 def load_kernels(root: Path, entries: list[dict[str, Any]], manifest: Manifest | None = None,
                  source: str = "local") -> None:
     """Load the kernels a manifest lists ("kernels") into this process's table (``picompile.kernels.table``,

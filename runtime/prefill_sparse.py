@@ -86,7 +86,7 @@ def prefill_kernels(weight_dtype: str, d_model: int, block: int, gated: bool) ->
     """The (prefill_up or None, prefill_down) kernels for this weight format, compiled here (or taken from the
     kernel cache); raises ValueError where this CPU has none (``cpu_prefill.applies``)."""
     from picompile.kernels.spec import KernelSpec
-    from picompile.kernels.table import local_kernel
+    from picompile.runtime.loader import local_kernel
 
     down = KernelSpec(kind="prefill_down", act="none", d_model=d_model, n_rows=1, weight_dtype=weight_dtype,  # type: ignore[arg-type]
                       has_bias=False, target="llvm", block=block)
