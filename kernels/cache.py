@@ -26,7 +26,7 @@ from .spec import KERNEL_ABI_VERSION, KernelSpec
 _build_count: int = 0  # compilations done by this process (tests check cache hits with it)
 # the modules whose code decides a compiled kernel's instructions (kernels/*.py that import TVM)
 CODEGEN_MODULES: tuple[str, ...] = ("compute.py", "cpu.py", "cpu_rewrite.py", "cpu_qdot.py", "cuda.py", "input_sparse.py",
-                                     "batch_gemv.py", "dequant.py", "cpu_prefill.py")
+                                     "batch_gemv.py", "dequant.py", "cpu_prefill.py", "cpu_qpredict.py")
 
 
 def codegen_fingerprint() -> str:
@@ -81,6 +81,11 @@ def _expected_meta(spec: KernelSpec, mcpu: str | None = None, integer_dot: bool 
 
             isa = cpu_qdot.isa_for(host_target(mcpu)) if integer_dot else None
             meta["qdot"] = isa if cpu_qdot.applies(spec, isa) else None
+        elif spec.kind == "predict" and spec.weight_dtype == "int8":  # int8 predictors: cpu_qpredict.py
+            from . import cpu_qdot, cpu_qpredict
+
+            isa = cpu_qdot.isa_for(host_target(mcpu)) if integer_dot else None
+            meta["qdot"] = isa if cpu_qpredict.applies(spec, isa) else None
     return meta
 
 
@@ -144,7 +149,7 @@ def _compile_cpu(spec: KernelSpec, out: Path, mcpu: str | None = None, integer_d
     """Decode (+ batched, except kind ``predict``: one token only) PrimFuncs → one LLVM module → ``out`` (.so)."""
     import tvm
 
-    from . import cpu, cpu_qdot
+    from . import cpu, cpu_qdot, cpu_qpredict
     from .compute import describe, describe_partitioned, describe_predict
 
     key = spec.key()
@@ -203,7 +208,10 @@ def _compile_cpu(spec: KernelSpec, out: Path, mcpu: str | None = None, integer_d
         name = key + ("_batch" if batched else "")
         isa = cpu_qdot.isa_for(cpu.host_target(mcpu)) if spec.quantized and integer_dot else None
         qdot = isa is not None and cpu_qdot.applies(spec, isa)
-        if qdot and not batched:  # one token: integer dot products (VNNI / AVX512-BW / AVX2)
+        qpred_isa = cpu_qdot.isa_for(cpu.host_target(mcpu)) if spec.kind == "predict" and integer_dot else None
+        if cpu_qpredict.applies(spec, qpred_isa):  # int8 predictor: integer dot products
+            funcs[name] = cpu_qpredict.describe(spec, qpred_isa).with_attr("global_symbol", name)
+        elif qdot and not batched:  # one token: integer dot products (VNNI / AVX512-BW / AVX2)
             funcs[name] = cpu_qdot.describe(spec, isa, cpu.build_cores()).with_attr("global_symbol", name)
         elif qdot and spec.kind == "up":  # several tokens: the same sums per token
             funcs[name] = cpu_qdot.describe_up_batched(spec, isa).with_attr("global_symbol", name)

@@ -45,6 +45,9 @@ def load_library() -> str:
              extra_cflags=["-O3"], extra_ldflags=[f"-L{lib_dir}", "-ltvm_ffi", f"-Wl,-rpath,{lib_dir}"],
              is_python_module=False, verbose=False)
         _register_fakes()
+        launch = _tvm_parallel_launch()
+        if launch is not None:
+            torch.ops.picompile_native.set_parallel_launch(launch)  # type: ignore[attr-defined]
         _STATE["error"] = ""
     except Exception as e:  # no compiler, no headers, a link error: the Python ops stay
         _STATE["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
@@ -95,6 +98,25 @@ def _register_fakes() -> None:
     def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                    scale: float | None) -> torch.Tensor:
         return torch.empty_like(q)
+
+
+def _tvm_parallel_launch() -> int | None:
+    """The address of ``TVMBackendParallelLaunch`` in the libtvm_runtime this process loaded (the kernels' thread
+    pool, which the C++ attention also runs on), or None where none is loaded or it cannot be found."""
+    import ctypes
+    import os
+
+    try:
+        import tvm  # noqa: F401  (loads libtvm_runtime where the kernels have not yet)
+
+        with open("/proc/self/maps") as fh:
+            paths = {line.split()[-1] for line in fh if line.rstrip().endswith("/libtvm_runtime.so")}
+        if len(paths) != 1:
+            return None
+        lib = ctypes.CDLL(paths.pop(), mode=os.RTLD_NOLOAD | os.RTLD_LAZY)  # the loaded one, not a second copy
+        return ctypes.cast(lib.TVMBackendParallelLaunch, ctypes.c_void_p).value
+    except (ImportError, OSError, AttributeError):
+        return None
 
 
 def _cpu_kernel(key: str) -> object | None:

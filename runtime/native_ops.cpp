@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <atomic>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -52,6 +53,19 @@ void set_kernel(int64_t id, int64_t handle) {
   std::lock_guard<std::mutex> guard(kernels_lock);
   kernels()[id] = handle;
 }
+
+// TVM's thread pool: TVMBackendParallelLaunch of the process's libtvm_runtime (c_backend_api.h), registered by
+// set_parallel_launch at load. The one-token attention runs its KV heads on the pool's threads, which otherwise
+// only wait between two kernel calls (a decode step's torch glue runs on one thread, runtime/threads.py).
+struct ParallelEnv {  // TVMParallelGroupEnv
+  void* sync_handle;
+  int32_t num_task;
+};
+using ParallelLambda = int (*)(int task_id, ParallelEnv* penv, void* cdata);
+using ParallelLaunch = int (*)(ParallelLambda flambda, void* cdata, int num_task);
+std::atomic<ParallelLaunch> parallel_launch{nullptr};
+
+void set_parallel_launch(int64_t address) { parallel_launch.store(reinterpret_cast<ParallelLaunch>(address)); }
 
 void call(int64_t kernel, const std::vector<at::Tensor>& args) {
   int64_t handle = 0;
@@ -474,16 +488,31 @@ at::Tensor grouped_attention(const at::Tensor& q, const at::Tensor& k, const at:
     const char* mp = m.defined() ? static_cast<const char*>(m.data_ptr()) : nullptr;
     const int64_t msize = m.defined() ? m.element_size() : 0;
     const bool mbool = m.defined() && m.scalar_type() == at::kBool;
-    std::vector<float> scores(g * length);
-    std::vector<const void*> rows(g);
-    for (int64_t i = 0; i < b * hkv; ++i) {
-      const int64_t bi = i / hkv, kv = i % hkv;
-      for (int64_t h = 0; h < g && mp; ++h) rows[h] = mp + (bi * m.stride(0) + (kv * g + h) * m.stride(1)) * msize;
-      attend_group_avx2(qp + bi * q.stride(0) + kv * g * q.stride(1), q.stride(1), g,
-                        kp + bi * k.stride(0) + kv * k.stride(1), k.stride(2), vp + bi * v.stride(0) + kv * v.stride(1),
-                        v.stride(2), length, e, static_cast<float>(sc), mp ? rows.data() : nullptr,
-                        m.defined() ? m.stride(3) : 0, mbool, scores.data(), op + (bi * hq + kv * g) * e, e);
+    // the (batch, KV head) groups, each with its own scores: task t of n takes groups t, t + n, ...
+    auto groups = [&](int64_t task, int64_t n_task) {
+      std::vector<float> scores(g * length);
+      std::vector<const void*> rows(g);
+      for (int64_t i = task; i < b * hkv; i += n_task) {
+        const int64_t bi = i / hkv, kv = i % hkv;
+        for (int64_t h = 0; h < g && mp; ++h) rows[h] = mp + (bi * m.stride(0) + (kv * g + h) * m.stride(1)) * msize;
+        attend_group_avx2(qp + bi * q.stride(0) + kv * g * q.stride(1), q.stride(1), g,
+                          kp + bi * k.stride(0) + kv * k.stride(1), k.stride(2),
+                          vp + bi * v.stride(0) + kv * v.stride(1), v.stride(2), length, e, static_cast<float>(sc),
+                          mp ? rows.data() : nullptr, m.defined() ? m.stride(3) : 0, mbool, scores.data(),
+                          op + (bi * hq + kv * g) * e, e);
+      }
+    };
+    const ParallelLaunch launch = parallel_launch.load();
+    // on the pool where there are several groups and enough work to pay for waking it (~a few µs): from 2 groups
+    // of 8 heads × 64 at 32 cached tokens on
+    if (launch != nullptr && b * hkv >= 2 && hq * length * e >= (1 << 15)) {
+      auto task = [](int task_id, ParallelEnv* env, void* data) -> int {
+        (*static_cast<decltype(groups)*>(data))(task_id, env->num_task);
+        return 0;
+      };
+      if (launch(+task, &groups, 0) == 0) return out;  // 0 tasks: the pool's thread count
     }
+    groups(0, 1);
     return out;
   }
 #endif
@@ -500,6 +529,7 @@ at::Tensor grouped_attention(const at::Tensor& q, const at::Tensor& k, const at:
 
 TORCH_LIBRARY(picompile_native, m) {
   m.def("set_kernel(int id, int handle) -> ()", &set_kernel);
+  m.def("set_parallel_launch(int address) -> ()", &set_parallel_launch);
   m.def("gemv(Tensor x, Tensor w, Tensor? b, int kernel) -> Tensor");
   m.def("sparse_ffn(Tensor x, Tensor w_up, Tensor? b_up, Tensor? w_gate, Tensor w_down_t, Tensor? mask, int kernel) -> Tensor");
   m.def("qgemv(Tensor x, Tensor w, Tensor s, Tensor? b, int kernel) -> Tensor");

@@ -114,6 +114,37 @@ def test_attention_op_is_the_python_one(mask: str | None, length: int) -> None:
     assert torch.equal(gm(several, k, v, m3), grouped_attention(several, k, v, m3, None if mask == "float" else 0.3))
 
 
+@pytest.mark.parametrize("batch,kv_heads,length", [(1, 4, 96), (2, 3, 200), (1, 2, 40)])
+def test_attention_on_the_kernel_pool_is_the_one_thread_loop(batch: int, kv_heads: int, length: int) -> None:
+    """The one-token attention runs its (batch, KV head) groups on TVM's thread pool where it is registered
+    (``set_parallel_launch``; the kernels' pool, idle between their calls): each group computed by the same code,
+    so the result is the one-thread loop's bit for bit, for group counts that do and do not divide the threads."""
+    from picompile.kernels import num_threads, set_num_threads
+
+    launch = native._tvm_parallel_launch()
+    if launch is None:
+        pytest.skip("no libtvm_runtime with TVMBackendParallelLaunch in this process")
+    g = torch.Generator().manual_seed(length)
+    q = torch.randn(batch, kv_heads * 8, 1, 64, generator=g)
+    k = torch.randn(batch, kv_heads, length, 64, generator=g)
+    v = torch.randn(batch, kv_heads, length, 64, generator=g)
+    m = torch.rand(batch, 1, 1, length, generator=g) < 0.8
+    m[..., 0] = True
+    op = torch.ops.picompile_native.grouped_attention
+    threads = num_threads()
+    try:
+        set_num_threads(2)
+        torch.ops.picompile_native.set_parallel_launch(0)
+        alone = op(q, k, v, m, None)
+        torch.ops.picompile_native.set_parallel_launch(launch)
+        pooled = op(q, k, v, m, None)
+    finally:
+        torch.ops.picompile_native.set_parallel_launch(launch)
+        set_num_threads(threads)
+    assert torch.equal(pooled, alone)
+    torch.testing.assert_close(pooled, grouped_attention(q, k, v, m, None), rtol=1e-5, atol=1e-6)
+
+
 class Other(torch.nn.Module):
     """Near misses: a norm over the first dimension, a rotation by a third of the head."""
 

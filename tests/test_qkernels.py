@@ -368,3 +368,68 @@ def test_integer_dot_can_be_turned_off(tmp_path: Path) -> None:
     kern(x, q, s, None, None, None, idx, h)
     ref = x.double() @ w.T
     assert float((h.double() - ref).abs().max() / ref.abs().max()) < TOL
+
+
+QPREDICT_CASES = [  # act, offset, d_model, rank, mcpu, expected isa ("float": the float kernel)
+    ("relu", True, 256, 64, "x86-64-v3", "avx2"),
+    ("none", False, 512, 128, "x86-64-v3", "avx2"),
+    ("relu", True, 256, 128, "icelake-server", "vnni"),
+    ("relu", False, 256, 64, "skylake-avx512", "avx512bw"),
+    ("relu", True, 256, 64, None, None),  # this machine's CPU
+    ("relu", True, 256, 48, "x86-64-v3", "float"),  # rank not a multiple of 64: the float kernel
+    ("relu", True, 256, 64, "x86-64-v2", "float"),  # no AVX2
+]
+
+
+@pytest.mark.parametrize("case", QPREDICT_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_integer_predictor_matches_quantized_reference(case: tuple, tmp_path: Path) -> None:
+    """Kind ``predict`` with int8 rows (``kernels/cpu_qpredict.py``): x and h quantized to int8 blocks, integer dot
+    products. Its mask equals ``qpredict_reference``'s scores > thr for every row whose score is not within float32
+    rounding of the threshold (set to the median score, so half the rows each side), and the float maths' mask
+    except within x's and h's int8 rounding (under 2 % of the largest score, ~0.8 % measured)."""
+    import json
+
+    from picompile.kernels import cpu_qpredict
+
+    act, has_offset, d, rank, mcpu, isa = case
+    if mcpu in _NEEDS and not _host_has(_NEEDS[mcpu]):
+        pytest.skip(f"this CPU cannot run {isa} code")
+    n = 200
+    spec = KernelSpec("predict", act, d, n, "int8", has_offset, "llvm", rank=rank)
+    kern = load_kernel(build_kernel(spec, tmp_path, mcpu=mcpu), spec)
+    built = json.loads((tmp_path / f"{spec.key()}.json").read_text()).get("qdot")
+    if isa is None:
+        import tvm
+
+        host = tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu()})
+        isa = cpu_qdot.isa_for(host) if cpu_qpredict.applies(spec, cpu_qdot.isa_for(host)) else "float"
+    assert built == (None if isa == "float" else isa)
+    gen = torch.Generator().manual_seed(d + rank)
+    x = torch.randn(d, generator=gen)
+    x[32:64] = 0.0  # an all-zero block of x (its scale 0)
+    fc1 = torch.randint(-127, 128, (rank, d), generator=gen, dtype=torch.int8)
+    fc2 = torch.randint(-127, 128, (n, rank), generator=gen, dtype=torch.int8)
+    offset = torch.randn(n, generator=gen) * 3e3 if has_offset else None
+    flt = _act(act, x.double() @ fc1.double().T) @ fc2.double().T + (offset.double() if has_offset else 0)
+    ref = cpu_qpredict.qpredict_reference(x, fc1, fc2, act, offset) if built else flt
+    thr = float(ref.median())
+    mask = torch.zeros(n, dtype=torch.int8)
+    kern(x, fc1, fc2, offset, torch.tensor([thr]), mask)
+    scale = float(ref.abs().max())
+    clear = (ref - thr).abs() > 1e-5 * scale  # rows not within float32 rounding of the threshold
+    assert int(clear.sum()) >= n - 4
+    assert torch.equal(mask.bool()[clear], (ref > thr)[clear])
+    far = (flt - thr).abs() > 2e-2 * scale  # against the float maths: x's and h's int8 rounding
+    assert int(far.sum()) >= n // 2
+    assert torch.equal(mask.bool()[far], (flt > thr)[far])
+    if built:
+        assert float((ref - flt).abs().max()) / scale < 2e-2
+
+
+def test_integer_predictor_can_be_turned_off(tmp_path: Path) -> None:
+    """``integer_dot=False`` builds the float predictor for int8 rows too (exact int8 → float32 maths)."""
+    import json
+
+    spec = KernelSpec("predict", "relu", 256, 40, "int8", False, "llvm", rank=64)
+    load_kernel(build_kernel(spec, tmp_path, integer_dot=False), spec)
+    assert json.loads((tmp_path / f"{spec.key()}.json").read_text())["qdot"] is None
