@@ -53,6 +53,7 @@ from picompile.ir.schema import args_of, node_op
 from picompile.runtime.batch_ffn import batched_hybrid, batched_part, exact_union, split_kernels
 from picompile.runtime.batch_glue import batched_kwargs, stackable, varies, varying_symbols
 from picompile.runtime.batch_predict import batched_predict, gemv_kernel, multi_gemv_kernel
+from picompile.runtime.frame_room import call_with_room
 from picompile.runtime.hybrid import HYBRID_MASKS, HybridFFN, hybrid_args
 from picompile.runtime.partitions import PART_WEIGHTS, EmptyPartition, InlinePartition, ThreadPartition
 
@@ -408,11 +409,12 @@ class BatchRunner:
     def _graph(self, batch: int) -> Callable[..., Any]:
         if batch not in self._graphs:
             gm, self.shared_linears = batch_graph(self.session.decode_graph, self.n_past, batch, self.union_ffn)
-            fn = gm
+            room = call_with_room(gm.forward)  # a forward of thousands of locals: runtime/frame_room.py
+            fn: Callable[..., Any] = room
             if self.session.decode_torch_threads is not None:
                 from picompile.runtime.threads import with_decode_threads
 
-                fn = with_decode_threads(lambda *a: gm(*a), self.session.decode_torch_threads)
+                fn = with_decode_threads(lambda *a: room(*a), self.session.decode_torch_threads)
             self._graphs[batch] = (gm, fn)
         return self._graphs[batch][1]
 
