@@ -76,17 +76,20 @@ def _expected_meta(spec: KernelSpec, mcpu: str | None = None, integer_dot: bool 
 
         meta["compile_target"] = str(host_target(mcpu))
         meta["cores"] = build_cores()  # the y-chunking is sized for this many cores
-        if spec.quantized:  # integer dot products where the target has them (cpu_qdot.py)
-            from . import cpu_qdot
-
-            isa = cpu_qdot.isa_for(host_target(mcpu)) if integer_dot else None
-            meta["qdot"] = isa if cpu_qdot.applies(spec, isa) else None
-        elif spec.kind == "predict" and spec.weight_dtype == "int8":  # int8 predictors: cpu_qpredict.py
-            from . import cpu_qdot, cpu_qpredict
-
-            isa = cpu_qdot.isa_for(host_target(mcpu)) if integer_dot else None
-            meta["qdot"] = isa if cpu_qpredict.applies(spec, isa) else None
+        if spec.quantized or (spec.kind == "predict" and spec.weight_dtype == "int8"):
+            meta["qdot"] = _qdot_isa(spec, host_target(mcpu), integer_dot)
     return meta
+
+
+def _qdot_isa(spec: KernelSpec, target: Any, integer_dot: bool = True) -> str | None:
+    """The integer dot-product instructions ``spec``'s one-token kernel is built with on the LLVM ``target``
+    (``cpu_qdot.isa_for``): quantized kinds where ``cpu_qdot.applies``, int8 predictors where
+    ``cpu_qpredict.applies``; None for the float kernels (or ``integer_dot=False``)."""
+    from . import cpu_qdot, cpu_qpredict
+
+    isa = cpu_qdot.isa_for(target) if integer_dot else None
+    fits = cpu_qpredict.applies if spec.kind == "predict" else cpu_qdot.applies
+    return isa if fits(spec, isa) else None
 
 
 def _cache_hit(lib_path: Path, meta_path: Path, expected: dict[str, Any]) -> bool:
@@ -195,6 +198,7 @@ def _compile_cpu(spec: KernelSpec, out: Path, mcpu: str | None = None, integer_d
         args = ["x", "w_up", "idx", "h"] if spec.kind == "gemv" else ["h", "w_down_t", "idx", "y"]
         return {"batched": True, "arg_names": args, "functions": sorted(funcs)}
     batched_too = spec.kind != "predict"  # several tokens take the torch reference (ops.predict)
+    isa = _qdot_isa(spec, cpu.host_target(mcpu), integer_dot)  # None: the float kernels
     funcs = {}
     for batched in (False, True) if batched_too else (False,):
         if spec.kind == "predict":
@@ -206,11 +210,9 @@ def _compile_cpu(spec: KernelSpec, out: Path, mcpu: str | None = None, integer_d
         if not batched:
             arg_names = desc.arg_names
         name = key + ("_batch" if batched else "")
-        isa = cpu_qdot.isa_for(cpu.host_target(mcpu)) if spec.quantized and integer_dot else None
-        qdot = isa is not None and cpu_qdot.applies(spec, isa)
-        qpred_isa = cpu_qdot.isa_for(cpu.host_target(mcpu)) if spec.kind == "predict" and integer_dot else None
-        if cpu_qpredict.applies(spec, qpred_isa):  # int8 predictor: integer dot products
-            funcs[name] = cpu_qpredict.describe(spec, qpred_isa).with_attr("global_symbol", name)
+        qdot = isa is not None
+        if qdot and spec.kind == "predict":  # int8 predictor: integer dot products
+            funcs[name] = cpu_qpredict.describe(spec, isa).with_attr("global_symbol", name)
         elif qdot and not batched:  # one token: integer dot products (VNNI / AVX512-BW / AVX2)
             funcs[name] = cpu_qdot.describe(spec, isa, cpu.build_cores()).with_attr("global_symbol", name)
         elif qdot and spec.kind == "up":  # several tokens: the same sums per token

@@ -139,6 +139,14 @@ def _sign_of(isa: str, xv: tirx.PrimExpr, q: tirx.PrimExpr) -> tirx.PrimExpr:
     return tirx.Select(q < zero, zero - xv, xv)
 
 
+def int8_scale(absmax16: tirx.PrimExpr) -> tirx.PrimExpr:
+    """A block's int8 scale ``max|v| / 127`` from 16 lanes of |v| (float32x16, non-negative): the bits of
+    non-negative floats order as unsigned integers, and an integer reduction is a shuffle tree (llvm's fmax
+    reduction is a serial chain of NaN-checking compares)."""
+    bits = tirx.call_llvm_pure_intrin("uint32", "llvm.vector.reduce.umax", tirx.reinterpret("uint32x16", absmax16))
+    return tirx.reinterpret("float32", bits) / tirx.const(127.0, "float32")
+
+
 def _act(act: str, v: tirx.PrimExpr) -> tirx.PrimExpr:
     if act == "relu":
         return tirx.max(v, tirx.const(0.0, "float32"))
@@ -172,11 +180,7 @@ def _macros(spec: KernelSpec, isa: str):  # -> (prep_x, row_dot): TVMScript macr
             m16[T.ramp(0, 1, 16)] = T.Broadcast(T.float32(0), 16)
             for c in T.unroll(VX):
                 m16[T.ramp(0, 1, 16)] = T.max(m16[T.ramp(0, 1, 16)], T.fabs(x[T.ramp(b * B + c * 16, 1, 16)]))
-            # max |x| of the block: the bits of non-negative floats order as unsigned integers, and an integer
-            # reduction is a shuffle tree (llvm's fmax reduction is a serial chain of NaN-checking compares)
-            dd = T.bind(T.reinterpret("float32", T.call_llvm_pure_intrin(
-                "uint32", "llvm.vector.reduce.umax", T.reinterpret("uint32x16", m16[T.ramp(0, 1, 16)])))
-                        / T.float32(127))
+            dd = T.bind(int8_scale(m16[T.ramp(0, 1, 16)]))
             dx[b] = dd
             inv = T.bind(T.Select(dd != T.float32(0), T.float32(1) / dd, T.float32(0)))
             for c in T.unroll(VX):

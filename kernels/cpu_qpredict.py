@@ -17,7 +17,7 @@ import torch
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .cpu_qdot import _dot, _sign_of
+from .cpu_qdot import _dot, _sign_of, int8_scale
 from .spec import KernelSpec
 
 QB: int = 32  # elements per quantization block of x and h (8 int32 lanes of 4 bytes)
@@ -55,9 +55,7 @@ def describe(spec: KernelSpec, isa: str) -> tirx.PrimFunc:
     def quantize(v, length, vq, vd, m16):  # v [length] → vq [length] int8, vd [length / 4]: each i32 lane's scale
         for b in range(length // QB):
             m16[T.ramp(0, 1, 16)] = T.max(T.fabs(v[T.ramp(b * QB, 1, 16)]), T.fabs(v[T.ramp(b * QB + 16, 1, 16)]))
-            dd = T.bind(T.reinterpret("float32", T.call_llvm_pure_intrin(  # max|v|: see cpu_qdot.prep_x
-                "uint32", "llvm.vector.reduce.umax", T.reinterpret("uint32x16", m16[T.ramp(0, 1, 16)])))
-                        / T.float32(127))
+            dd = T.bind(int8_scale(m16[T.ramp(0, 1, 16)]))
             inv = T.bind(T.Select(dd != T.float32(0), T.float32(1) / dd, T.float32(0)))
             for c in T.unroll(2):
                 vq[T.ramp(b * QB + c * 16, 1, 16)] = T.Cast("int8x16", T.round(v[T.ramp(b * QB + c * 16, 1, 16)]
