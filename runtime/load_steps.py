@@ -183,8 +183,9 @@ def _native_calls(state: LoadState) -> None:
     state.notes.update(native_reason="", native_calls=to_native(state.decode))
 
 
-@load_step("native-glue", ("decode",), "the decode graph's per-layer glue (RMSNorm, rotary, attention, empty FFN "
-           "parts) as single picompile_native C++ ops (notes glue_counts; glue_reason when none were)")
+@load_step("native-glue", ("decode",), "the decode graph's per-layer glue (RMSNorm, q/k/v heads and rotary, KV cache "
+           "writes and attention, empty FFN parts) as single picompile_native C++ ops (notes glue_counts; "
+           "glue_reason when none were)")
 def _native_glue(state: LoadState) -> None:
     from picompile.runtime.native_glue import fuse_glue
 

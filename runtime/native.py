@@ -99,6 +99,16 @@ def _register_fakes() -> None:
                    scale: float | None) -> torch.Tensor:
         return torch.empty_like(q)
 
+    @torch.library.register_fake(lib + "heads")
+    def _heads(x: torch.Tensor, offset: int, n: int, e: int, cos: torch.Tensor | None, sin: torch.Tensor | None,
+               half: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], n, x.shape[1], e))
+
+    @torch.library.register_fake(lib + "cached_attention")
+    def _cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                k_start: int, v_start: int, mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+        return q.new_empty((q.shape[0], q.shape[2], q.shape[1] * q.shape[3]))
+
 
 def _tvm_parallel_launch() -> int | None:
     """The address of ``TVMBackendParallelLaunch`` in the libtvm_runtime this process loaded (the kernels' thread

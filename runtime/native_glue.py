@@ -4,9 +4,13 @@
     pow, mean, add eps, rsqrt, mul, mul weight            → rms_norm(x, w, eps)
     mul cos, slice, slice, neg, cat, mul sin, add          → rotary(x, cos, sin, half)
     grouped_attention (Python: 11 aten calls)             → grouped_attention (C++)
+    slice, view, transpose (and rotary) of a fused q/k/v   → heads(qkv, offset, n, e, cos, sin, half)
+    the KV cache writes, its views, grouped_attention and  → cached_attention(q, k, v, k_cache, v_cache, …)
+      the reshape / transpose / reshape after it
     an FFN part without rows and its merge               → the other part (+ the down bias)
     input_mask (a Python op: |x| > threshold)             → aten abs and gt
     the same unsqueeze / sym_size of the same input       → the first one, shared
+    x[..., 0:] (a mask's slice past zero hot rows)         → x
 
 An eager decode step is a Python call per node: at one token each aten call costs a few µs of dispatch for
 nanoseconds of work, and a 22-layer step ran ~1,500 of them. Patterns that differ from these (other casts,
@@ -14,6 +18,7 @@ another rotary layout) stay as they are; the step is the same computation either
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -36,6 +41,9 @@ class GlueCounts:
     empty_parts: int = 0
     input_masks: int = 0
     shared: int = 0
+    heads: int = 0
+    cached_attentions: int = 0
+    whole_slices: int = 0
 
     def total(self) -> int:
         return sum(asdict(self).values())
@@ -173,6 +181,161 @@ def inline_input_masks(gm: fx.GraphModule) -> int:
     return count
 
 
+def _writes(user: fx.Node, node: fx.Node) -> bool:
+    """Whether ``user`` may write ``node`` (or what it views) in place: a schema argument marked written, or a
+    call that is not an operator (whose writes cannot be read off)."""
+    target = user.target
+    if user.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return user.op != "output"
+    args = target._schema.arguments
+    for i, a in enumerate(user.args):
+        if a is node and i < len(args) and args[i].alias_info is not None and args[i].alias_info.is_write:
+            return True
+    return any(v is node and a.alias_info is not None and a.alias_info.is_write
+               for a in args for k, v in user.kwargs.items() if k == a.name)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two sizes (ints or symbols) are known equal."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return bool(statically_known_true(a == b))
+
+
+def _split_heads(t: fx.Node) -> tuple[fx.Node, int, int, int] | None:
+    """(x, offset, n, e) when ``t`` is ``transpose(view(x[..., offset : offset + n * e], [b, s, n, e]), 1, 2)``
+    on a float32 x [b, s, d] (each inner node read only by the next)."""
+    if not (_is(t, aten.transpose.int) and len(t.args) == 3 and not t.kwargs
+            and sorted(d % 4 for d in t.args[1:] if isinstance(d, int)) == [1, 2]):
+        return None
+    view = t.args[0]
+    if not (_is(view, aten.view.default) and _only_user(view, t)):
+        return None
+    sl = view.args[0]
+    if not (_is(sl, aten.slice.Tensor) and _only_user(sl, view) and not sl.kwargs and 3 <= len(sl.args) <= 5):
+        return None
+    x, dim, start, end, step = (*sl.args, *([None, None, 1][len(sl.args) - 2:]))[:5]
+    xv, vv = _float_val(x), _float_val(view)
+    if xv is None or vv is None or xv.dim() != 3 or vv.dim() != 4 or dim not in (2, -1) or step != 1:
+        return None
+    start = 0 if start is None else start
+    if not (isinstance(start, int) and isinstance(end, int) and isinstance(vv.shape[2], int)
+            and isinstance(vv.shape[3], int) and isinstance(xv.shape[2], int)):
+        return None
+    n, e = int(vv.shape[2]), int(vv.shape[3])
+    if not (0 <= start and end <= xv.shape[2] and end - start == n * e and n > 0 and e > 0
+            and _same(vv.shape[0], xv.shape[0]) and _same(vv.shape[1], xv.shape[1])):
+        return None
+    return x, start, n, e
+
+
+def fuse_heads(gm: fx.GraphModule) -> int:
+    """``rotary(transpose(view(slice(qkv))), cos, sin, half)`` → ``heads(qkv, offset, n, e, cos, sin, half)``, and
+    ``transpose(view(slice(qkv)))`` (v: a view) → ``heads(qkv, offset, n, e)`` (a copy) where no reader writes
+    it; how many."""
+    native = torch.ops.picompile_native
+    count = 0
+    for node in list(gm.graph.nodes):
+        found = _split_heads(node) if node.op == "call_function" else None
+        if found is None:
+            continue
+        users = list(node.users)
+        if len(users) == 1 and _is(users[0], native.rotary.default) and users[0].args[0] is node:
+            rot = users[0]
+            _replace(gm, rot, native.heads.default, (*found, *rot.args[1:4]))
+        elif users and not any(_writes(u, node) for u in users):
+            _replace(gm, node, native.heads.default, (*found, None, None, 0))
+        else:
+            continue
+        count += 1
+    gm.graph.eliminate_dead_code()
+    return count
+
+
+def _cache_write(view: Any) -> tuple[fx.Node, fx.Node, fx.Node, fx.Node, fx.Node] | None:
+    """(cache, new, start, write slice, copy) when ``view`` is ``cache[:, :, :end]`` (read only by the attention),
+    ``cache`` a buffer otherwise only written by ``copy_(cache[:, :, start:end], new)``, with ``end = start +
+    new.size(2)`` (``kv_cache.arena_step``'s form)."""
+    if not (_is(view, aten.slice.Tensor) and len(view.args) == 4 and not view.kwargs and len(view.users) == 1):
+        return None
+    cache, dim, zero, end = view.args
+    if not (isinstance(cache, fx.Node) and cache.op == "get_attr" and dim in (2, -2) and zero == 0):
+        return None
+    writes = [u for u in cache.users if u is not view]
+    if len(writes) != 1:
+        return None
+    w = writes[0]
+    if not (_is(w, aten.slice.Tensor) and len(w.args) == 4 and w.args[0] is cache and w.args[1] == dim
+            and w.args[3] is end and len(w.users) == 1):
+        return None
+    copy = next(iter(w.users))
+    if not (_is(copy, aten.copy_.default) and copy.args[0] is w and len(copy.args) == 2 and not copy.users):
+        return None
+    start, new = w.args[2], copy.args[1]
+    if not (isinstance(end, fx.Node) and end.op == "call_function" and end.target is operator.add
+            and len(end.args) == 2 and end.args[0] is start and _is(end.args[1], aten.sym_size.int)
+            and end.args[1].args[0] is new and end.args[1].args[1] in (2, -2)):
+        return None
+    return cache, new, start, w, copy
+
+
+def fuse_cached_attention(gm: fx.GraphModule) -> int:
+    """The KV cache writes and views (``kv_cache.arena_step``), ``grouped_attention`` over them and the
+    ``reshape / transpose(1, 2) / reshape`` to ``[b, s, hq * e]`` after it → ``cached_attention``; how many."""
+    native = torch.ops.picompile_native
+    count = 0
+    for node in list(gm.graph.nodes):
+        if not _is(node, native.grouped_attention.default) or len(node.args) != 5:
+            continue
+        q, kview, vview, mask, scale = node.args
+        k, v = _cache_write(kview), _cache_write(vview)
+        if k is None or v is None or len(node.users) != 1:
+            continue
+        r1 = next(iter(node.users))
+        t = next(iter(r1.users)) if len(r1.users) == 1 else None
+        r2 = next(iter(t.users)) if t is not None and len(t.users) == 1 else None
+        av, v1, v2 = _float_val(node), _float_val(r1), _float_val(r2)
+        if not (_is(r1, aten.reshape.default) and _is(t, aten.transpose.int) and _is(r2, aten.reshape.default)
+                and t.args[0] is r1 and r2.args[0] is t and len(t.args) == 3
+                and sorted(d % 4 for d in t.args[1:] if isinstance(d, int)) == [1, 2]
+                and av is not None and v1 is not None and v2 is not None and av.dim() == v1.dim() == 4
+                and v2.dim() == 3 and all(_same(a, b) for a, b in zip(av.shape, v1.shape))
+                and _same(v2.shape[0], av.shape[0]) and _same(v2.shape[1], av.shape[2])
+                and _same(v2.shape[2], av.shape[1] * av.shape[3])):
+            continue
+        (kc, knew, kstart, kw, kcopy), (vc, vnew, vstart, vw, vcopy) = k, v
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(native.cached_attention.default,
+                                         (q, knew, vnew, kc, vc, kstart, vstart, mask, scale))
+        new.meta.update(r2.meta)
+        r2.replace_all_uses_with(new)
+        for dead in (r2, t, r1, node, kview, vview, kcopy, vcopy, kw, vw):
+            gm.graph.erase_node(dead)
+        count += 1
+    gm.graph.eliminate_dead_code()
+    return count
+
+
+def drop_whole_slices(gm: fx.GraphModule) -> int:
+    """``slice(x, dim, 0[, end ≥ size])`` (step 1: all of x, as a view) → x where no reader writes it; how many."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        if not _is(node, aten.slice.Tensor) or node.kwargs or not isinstance(node.args[0], fx.Node):
+            continue
+        x, dim, start, end, step = (*node.args, *([0, None, None, 1][len(node.args) - 1:]))[:5]
+        val = x.meta.get("val")
+        if not (isinstance(val, torch.Tensor) and isinstance(dim, int) and -val.dim() <= dim < val.dim()):
+            continue
+        size = val.shape[dim]
+        whole = start in (0, None) and step == 1 and (end is None or isinstance(end, int) and isinstance(size, int)
+                                                      and end >= size)
+        if whole and not any(_writes(u, node) for u in node.users):
+            node.replace_all_uses_with(x)
+            gm.graph.erase_node(node)
+            count += 1
+    return count
+
+
 SHARED = (aten.unsqueeze.default, aten.sym_size.int)  # pure, cheap to keep, repeated per layer on the same input
 
 
@@ -202,6 +365,7 @@ def fuse_glue(gm: fx.GraphModule) -> GlueCounts:
     counts.empty_parts = fold_empty_parts(gm)
     counts.input_masks = inline_input_masks(gm)
     counts.shared = share_repeats(gm)
+    counts.whole_slices = drop_whole_slices(gm)
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
             continue
@@ -214,9 +378,12 @@ def fuse_glue(gm: fx.GraphModule) -> GlueCounts:
         elif (rot := _rotary(node)) is not None:
             _replace(gm, node, native.rotary.default, rot)
             counts.rotaries += 1
+    counts.cached_attentions = fuse_cached_attention(gm)
+    counts.heads = fuse_heads(gm)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return counts
 
 
-__all__ = ["GlueCounts", "fold_empty_parts", "fuse_glue", "inline_input_masks", "share_repeats"]
+__all__ = ["GlueCounts", "drop_whole_slices", "fold_empty_parts", "fuse_cached_attention", "fuse_glue", "fuse_heads", "inline_input_masks",
+           "share_repeats"]

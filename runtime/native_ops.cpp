@@ -525,6 +525,40 @@ at::Tensor grouped_attention(const at::Tensor& q, const at::Tensor& k, const at:
   return at::matmul(at::softmax(scores, -1), v).reshape({b, hq, s, e});
 }
 
+
+// A fused projection's heads (native_glue.fuse_heads): x[..., offset : offset + n * e] [b, s, n * e] as heads
+// [b, n, s, e], rotated by rotary (the same call, the same floats) where cos and sin are given; a new contiguous
+// tensor either way (what the slice / view / transpose / rotary chain computes, in one call)
+at::Tensor heads(const at::Tensor& x, int64_t offset, int64_t n, int64_t e, const std::optional<at::Tensor>& cos,
+                 const std::optional<at::Tensor>& sin, int64_t half) {
+  TORCH_CHECK(x.dim() == 3 && n > 0 && e > 0 && offset >= 0 && offset + n * e <= x.size(2),
+              "picompile_native.heads: ", n, " heads of ", e, " at ", offset, " do not fit x ", x.sizes());
+  TORCH_CHECK(cos.has_value() == sin.has_value(), "picompile_native.heads: cos and sin go together");
+  at::Tensor h = x.slice(2, offset, offset + n * e).view({x.size(0), x.size(1), n, e}).transpose(1, 2);
+  if (cos.has_value()) return rotary(h, *cos, *sin, half);
+  at::Tensor out = at::empty(h.sizes(), h.options());
+  out.copy_(h);
+  return out;
+}
+
+// One layer's attention on the in-place KV cache (native_glue.fuse_cached_attention): k / v [b, hkv, s, e] written
+// at positions k_start / v_start of the caches [b, hkv, capacity, e], then grouped_attention of q [b, hq, s, e] over
+// their first start + s positions, returned as [b, s, hq * e] (what the copies, the cache views, the attention and
+// its reshape / transpose / reshape compute, in one call)
+at::Tensor cached_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                            at::Tensor& v_cache, int64_t k_start, int64_t v_start, const std::optional<at::Tensor>& mask,
+                            std::optional<double> scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4,
+              "picompile_native.cached_attention: 4-D q, k, v and caches expected");
+  const int64_t k_end = k_start + k.size(2), v_end = v_start + v.size(2);
+  TORCH_CHECK(k_start >= 0 && v_start >= 0 && k_end <= k_cache.size(2) && v_end <= v_cache.size(2),
+              "picompile_native.cached_attention: positions ", k_start, "..", k_end, " past the cache's ",
+              k_cache.size(2));
+  k_cache.slice(2, k_start, k_end).copy_(k);
+  v_cache.slice(2, v_start, v_end).copy_(v);
+  at::Tensor o = grouped_attention(q, k_cache.slice(2, 0, k_end), v_cache.slice(2, 0, v_end), mask, scale);
+  return o.transpose(1, 2).reshape({q.size(0), q.size(2), q.size(1) * q.size(3)});
+}
 }  // namespace
 
 TORCH_LIBRARY(picompile_native, m) {
@@ -539,6 +573,9 @@ TORCH_LIBRARY(picompile_native, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("rotary(Tensor x, Tensor cos, Tensor sin, int half) -> Tensor");
   m.def("grouped_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float? scale) -> Tensor");
+  m.def("heads(Tensor x, int offset, int n, int e, Tensor? cos, Tensor? sin, int half) -> Tensor");
+  m.def("cached_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, int k_start, "
+        "int v_start, Tensor? mask, float? scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(picompile_native, CPU, m) {
@@ -551,4 +588,6 @@ TORCH_LIBRARY_IMPL(picompile_native, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary", &rotary);
   m.impl("grouped_attention", &grouped_attention);
+  m.impl("heads", &heads);
+  m.impl("cached_attention", &cached_attention);
 }

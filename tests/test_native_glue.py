@@ -8,7 +8,9 @@ import torch
 
 from picompile.runtime import native
 from picompile.runtime.decode_attention import grouped_attention
-from picompile.runtime.native_glue import fuse_glue, share_repeats
+from picompile.runtime.native_glue import drop_whole_slices, fuse_glue, share_repeats
+
+aten = torch.ops.aten
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -172,3 +174,93 @@ def test_share_repeats_keeps_the_first() -> None:
     gm.graph.eliminate_dead_code()
     gm.recompile()
     assert _calls(gm).count("aten.unsqueeze.default") == 1 and torch.equal(gm(x), want)
+
+
+
+class CachedBlock(torch.nn.Module):
+    """One Llama attention after its fused q/k/v GEMV, as HF writes it: heads split from the stacked output,
+    rotate-half rotary on q and k, the past concatenated, grouped-query sdpa, heads merged back."""
+
+    def forward(self, qkv: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        def rot(x: torch.Tensor) -> torch.Tensor:
+            return x * cos.unsqueeze(1) + torch.cat((-x[..., 4:], x[..., :4]), dim=-1) * sin.unsqueeze(1)
+
+        s = qkv.shape[1]
+        q = rot(qkv[..., :32].view(1, s, -1, 8).transpose(1, 2))  # [1, 4, s, 8]
+        k = rot(qkv[..., 32:48].view(1, s, -1, 8).transpose(1, 2))  # [1, 2, s, 8]
+        v = qkv[..., 48:64].view(1, s, -1, 8).transpose(1, 2)
+        k, v = torch.cat([past_k, k], 2), torch.cat([past_v, v], 2)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, mask, scale=0.3, enable_gqa=True)
+        return o.reshape(1, -1, s, 8).transpose(1, 2).reshape(1, s, -1), k, v
+
+
+def test_fuse_glue_fuses_heads_and_the_cached_attention_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The q/k/v heads (slice, view, transpose, rotary) and, in the in-place cache form (kv_cache.arena_step),
+    the KV writes, the attention and the head merge become 3 ``heads`` and 1 ``cached_attention``: the output
+    and the cache contents of the glue without these two rewrites (native rotary and attention), bit for bit,
+    step after step; the aten graph's within 1e-6."""
+    from picompile.runtime import native_glue
+
+    from torch.export import Dim
+
+    from picompile.ir.graph import flatten_codegen
+    from picompile.runtime.decode_attention import rewrite_attention
+    from picompile.runtime.kv_cache import arena_step
+
+    g = torch.Generator().manual_seed(3)
+    past = torch.randn(1, 2, 5, 8, generator=g)
+    inputs = (torch.randn(1, 1, 64, generator=g), past, past.clone(), torch.randn(1, 1, 8, generator=g),
+              torch.randn(1, 1, 8, generator=g), torch.ones(1, 1, 1, 6, dtype=torch.bool))
+    length = Dim("length", min=1, max=30)
+    shapes = (None, {2: length}, {2: length}, None, None, {3: length + 1})
+    gm = flatten_codegen(torch.export.export(CachedBlock(), inputs, dynamic_shapes=shapes).module())
+    assert rewrite_attention(gm) == 1
+    aten_form = arena_step(gm, 2, 16, [torch.zeros(1, 2, 16, 8) for _ in range(2)])
+    plain = arena_step(gm, 2, 16, [torch.zeros(1, 2, 16, 8) for _ in range(2)])
+    fused = arena_step(gm, 2, 16, [torch.zeros(1, 2, 16, 8) for _ in range(2)])
+    with monkeypatch.context() as m:
+        m.setattr(native_glue, "fuse_heads", lambda gm: 0)
+        m.setattr(native_glue, "fuse_cached_attention", lambda gm: 0)
+        assert fuse_glue(plain.graph).attentions == 1
+    counts = fuse_glue(fused.graph)
+    assert (counts.heads, counts.cached_attentions, counts.rotaries) == (3, 1, 2)
+    calls = _calls(fused.graph)
+    assert calls.count("picompile_native.heads.default") == 3
+    assert calls.count("picompile_native.cached_attention.default") == 1
+    assert not any(t.startswith(("aten.copy_", "aten.transpose", "aten.view", "picompile_native.grouped_attention"))
+                   for t in calls)
+    for n in range(5, 12):
+        step = torch.randn(1, 1, 64, generator=g)
+        cos, sin = torch.randn(1, 1, 8, generator=g), torch.randn(1, 1, 8, generator=g)
+        mask = torch.rand(1, 1, 1, n + 1, generator=g) < 0.8
+        mask[..., -1] = True
+        with torch.inference_mode():
+            (ref,) = aten_form.graph(step, *aten_form.views(n), cos, sin, mask)
+            (want,) = plain.graph(step, *plain.views(n), cos, sin, mask)
+            (got,) = fused.graph(step, *fused.views(n), cos, sin, mask)
+        assert got.shape == (1, 1, 32)
+        assert torch.equal(got, want)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+        assert all(torch.equal(a, b) for a, b in zip(fused.arenas, plain.arenas))
+        assert not torch.equal(fused.arenas[0][:, :, n], torch.zeros(1, 2, 8))  # this step's key was written
+
+
+def test_drop_whole_slices_keeps_written_ones() -> None:
+    """``x[..., 0:]`` (all of x) reads as x; a slice some op writes through stays."""
+    graph = torch.fx.Graph()
+    x, y = graph.placeholder("x"), graph.placeholder("y")
+    x.meta["val"] = y.meta["val"] = torch.empty(2, 6)
+    whole = graph.call_function(aten.slice.Tensor, (x, -1, 0))
+    part = graph.call_function(aten.slice.Tensor, (x, 0, 1))  # [1, 6]: not all of x
+    written = graph.call_function(aten.slice.Tensor, (y, 0, 0, 9))
+    graph.call_function(aten.copy_.default, (written, whole))
+    graph.output(graph.call_function(aten.add.Tensor, (whole, part)))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    a, b = torch.randn(2, 6), torch.zeros(2, 6)
+    want = gm(a, b.clone())
+    assert drop_whole_slices(gm) == 1
+    gm.recompile()
+    assert _calls(gm).count("aten.slice.Tensor") == 2
+    got = gm(a, b)
+    assert torch.equal(got, want) and torch.equal(b, a)
