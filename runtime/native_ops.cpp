@@ -527,18 +527,75 @@ at::Tensor grouped_attention(const at::Tensor& q, const at::Tensor& k, const at:
 
 
 // A fused projection's heads (native_glue.fuse_heads): x[..., offset : offset + n * e] [b, s, n * e] as heads
-// [b, n, s, e], rotated by rotary (the same call, the same floats) where cos and sin are given; a new contiguous
-// tensor either way (what the slice / view / transpose / rotary chain computes, in one call)
+// [b, n, s, e], rotated by rotary where cos and sin are given; a new contiguous tensor either way (what the slice /
+// view / transpose / rotary chain computes, in one call). heads_direct: float32 x with a contiguous last dimension
+// and one position's cos / sin (rotary_direct's case): the rows copied and rotated from x's memory, rotary_direct's
+// sums in its order (the same floats); otherwise the aten views and rotary.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
 at::Tensor heads(const at::Tensor& x, int64_t offset, int64_t n, int64_t e, const std::optional<at::Tensor>& cos,
                  const std::optional<at::Tensor>& sin, int64_t half) {
   TORCH_CHECK(x.dim() == 3 && n > 0 && e > 0 && offset >= 0 && offset + n * e <= x.size(2),
               "picompile_native.heads: ", n, " heads of ", e, " at ", offset, " do not fit x ", x.sizes());
   TORCH_CHECK(cos.has_value() == sin.has_value(), "picompile_native.heads: cos and sin go together");
+  const bool rotate = cos.has_value();
+  if (float_last_contiguous(x) &&
+      (!rotate || (e == 2 * half && half > 0 && cos->scalar_type() == at::kFloat && sin->scalar_type() == at::kFloat &&
+                   cos->numel() == e && sin->numel() == e && cos->size(-1) == e && sin->size(-1) == e &&
+                   cos->dim() <= 4 && sin->dim() <= 4))) {  // heads_direct
+    const int64_t b = x.size(0), s = x.size(1);
+    at::Tensor out = at::empty({b, n, s, e}, x.options());
+    at::Tensor cc, sc;
+    if (rotate) cc = cos->contiguous(), sc = sin->contiguous();
+    const float* c = rotate ? cc.data_ptr<float>() : nullptr;
+    const float* sn = rotate ? sc.data_ptr<float>() : nullptr;
+    const float* xp = x.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    for (int64_t bi = 0; bi < b; ++bi)
+      for (int64_t h = 0; h < n; ++h)
+        for (int64_t si = 0; si < s; ++si) {
+          const float* xr = xp + bi * x.stride(0) + si * x.stride(1) + offset + h * e;
+          float* o = op + ((bi * n + h) * s + si) * e;
+          if (!rotate) {
+            std::copy(xr, xr + e, o);
+            continue;
+          }
+          for (int64_t j = 0; j < half; ++j) {
+            const float a = xr[j] * c[j], bb = -xr[j + half] * sn[j];
+            o[j] = a + bb;
+          }
+          for (int64_t j = half; j < e; ++j) {
+            const float a = xr[j] * c[j], bb = xr[j - half] * sn[j];
+            o[j] = a + bb;
+          }
+        }
+    return out;
+  }
   at::Tensor h = x.slice(2, offset, offset + n * e).view({x.size(0), x.size(1), n, e}).transpose(1, 2);
-  if (cos.has_value()) return rotary(h, *cos, *sin, half);
+  if (rotate) return rotary(h, *cos, *sin, half);
   at::Tensor out = at::empty(h.sizes(), h.options());
   out.copy_(h);
   return out;
+}
+#pragma GCC pop_options
+
+// cache[:, :, start : start + s] = t (t [b, h, s, e]): row copies where both are float32 with contiguous rows of the same
+// width, else aten's copy_
+void write_rows(at::Tensor& cache, const at::Tensor& t, int64_t start) {
+  const int64_t b = t.size(0), h = t.size(1), s = t.size(2), e = t.size(3);
+  if (float_last_contiguous(cache) && float_last_contiguous(t) && cache.size(0) == b && cache.size(1) == h &&
+      cache.size(3) == e) {
+    float* cp = cache.data_ptr<float>();
+    const float* tp = t.data_ptr<float>();
+    for (int64_t bi = 0; bi < b; ++bi)
+      for (int64_t hi = 0; hi < h; ++hi)
+        for (int64_t si = 0; si < s; ++si) {
+          const float* src = tp + bi * t.stride(0) + hi * t.stride(1) + si * t.stride(2);
+          std::copy(src, src + e, cp + bi * cache.stride(0) + hi * cache.stride(1) + (start + si) * cache.stride(2));
+        }
+    return;
+  }
+  cache.slice(2, start, start + s).copy_(t);
 }
 
 // One layer's attention on the in-place KV cache (native_glue.fuse_cached_attention): k / v [b, hkv, s, e] written
@@ -554,9 +611,10 @@ at::Tensor cached_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(k_start >= 0 && v_start >= 0 && k_end <= k_cache.size(2) && v_end <= v_cache.size(2),
               "picompile_native.cached_attention: positions ", k_start, "..", k_end, " past the cache's ",
               k_cache.size(2));
-  k_cache.slice(2, k_start, k_end).copy_(k);
-  v_cache.slice(2, v_start, v_end).copy_(v);
+  write_rows(k_cache, k, k_start);
+  write_rows(v_cache, v, v_start);
   at::Tensor o = grouped_attention(q, k_cache.slice(2, 0, k_end), v_cache.slice(2, 0, v_end), mask, scale);
+  if (q.size(2) == 1) return o.reshape({q.size(0), 1, q.size(1) * q.size(3)});  // [b, hq, 1, e] as [b, 1, hq * e]
   return o.transpose(1, 2).reshape({q.size(0), q.size(2), q.size(1) * q.size(3)});
 }
 }  // namespace
