@@ -291,6 +291,19 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
 
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
+// one row of 2 * half: o = x * c + cat(-x[half:], x[:half]) * sn, each product rounded before the add (rotary's and
+// heads' one-position loops: the aten ops' floats)
+inline void rotate_row(const float* xr, const float* c, const float* sn, int64_t half, float* o) {
+  for (int64_t j = 0; j < half; ++j) {
+    const float a = xr[j] * c[j], b = -xr[j + half] * sn[j];
+    o[j] = a + b;
+  }
+  for (int64_t j = half; j < 2 * half; ++j) {
+    const float a = xr[j] * c[j], b = xr[j - half] * sn[j];
+    o[j] = a + b;
+  }
+}
+
 // rotary embedding, rotate-half form: x * cos + cat(-x[..., half:], x[..., :half]) * sin
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t half) {
   const int64_t e = x.dim() ? x.size(-1) : 0;
@@ -306,14 +319,7 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
     for (int64_t r = 0, rows = x.numel() / e; r < rows; ++r) {
       const float* xr = xp + r * e;
       float* o = op + r * e;
-      for (int64_t j = 0; j < half; ++j) {
-        const float a = xr[j] * c[j], b = -xr[j + half] * sn[j];
-        o[j] = a + b;
-      }
-      for (int64_t j = half; j < e; ++j) {
-        const float a = xr[j] * c[j], b = xr[j - half] * sn[j];
-        o[j] = a + b;
-      }
+      rotate_row(xr, c, sn, half, o);
     }
     return out;
   }
@@ -531,8 +537,6 @@ at::Tensor grouped_attention(const at::Tensor& q, const at::Tensor& k, const at:
 // view / transpose / rotary chain computes, in one call). heads_direct: float32 x with a contiguous last dimension
 // and one position's cos / sin (rotary_direct's case): the rows copied and rotated from x's memory, rotary_direct's
 // sums in its order (the same floats); otherwise the aten views and rotary.
-#pragma GCC push_options
-#pragma GCC optimize("fp-contract=off")
 at::Tensor heads(const at::Tensor& x, int64_t offset, int64_t n, int64_t e, const std::optional<at::Tensor>& cos,
                  const std::optional<at::Tensor>& sin, int64_t half) {
   TORCH_CHECK(x.dim() == 3 && n > 0 && e > 0 && offset >= 0 && offset + n * e <= x.size(2),
@@ -560,14 +564,7 @@ at::Tensor heads(const at::Tensor& x, int64_t offset, int64_t n, int64_t e, cons
             std::copy(xr, xr + e, o);
             continue;
           }
-          for (int64_t j = 0; j < half; ++j) {
-            const float a = xr[j] * c[j], bb = -xr[j + half] * sn[j];
-            o[j] = a + bb;
-          }
-          for (int64_t j = half; j < e; ++j) {
-            const float a = xr[j] * c[j], bb = xr[j - half] * sn[j];
-            o[j] = a + bb;
-          }
+          rotate_row(xr, c, sn, half, o);
         }
     return out;
   }
@@ -577,7 +574,6 @@ at::Tensor heads(const at::Tensor& x, int64_t offset, int64_t n, int64_t e, cons
   out.copy_(h);
   return out;
 }
-#pragma GCC pop_options
 
 // cache[:, :, start : start + s] = t (t [b, h, s, e]): row copies where both are float32 with contiguous rows of the same
 // width, else aten's copy_
