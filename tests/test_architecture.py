@@ -174,8 +174,9 @@ POSITIONAL_ALLOWED: dict[str, str] = {
     "runtime/kv_cache.py": "reads aten.cat nodes (`_CAT`) and their list of parts",
     "runtime/graph_exec.py": "runs any torch operator node by its own schema (written arguments, views, "
                              "getitem's index, the output tuple); it matches no picompile op",
-    "runtime/native_glue.py": "matches the aten RMSNorm (pow/mean/add/rsqrt/mul) and rotate-half (slice/neg/cat) "
-                              "subgraphs; picompile ops are read with args_of",
+    "runtime/native_glue.py": "matches the aten RMSNorm (pow/mean/add/rsqrt/mul), rotate-half (slice/neg/cat), "
+                              "head split (slice/view/transpose) and KV cache write (slice/copy_) subgraphs and "
+                              "the native ops it made itself; picompile ops are read with args_of",
 }
 POSITIONAL_SCANNED: tuple[str, ...] = ("passes", "runtime", "picompile/tools", "picompile/formats")
 
