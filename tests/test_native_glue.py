@@ -264,3 +264,32 @@ def test_drop_whole_slices_keeps_written_ones() -> None:
     assert _calls(gm).count("aten.slice.Tensor") == 2
     got = gm(a, b)
     assert torch.equal(got, want) and torch.equal(b, a)
+
+
+def test_heads_and_cached_attention_equal_their_aten_ops() -> None:
+    """The two ops alone, beyond the one-token case the glue makes: two sequences, several positions, x's rows
+    strided. ``heads`` equals slice / view / transpose (and the aten rotate-half) bit for bit; ``cached_attention``
+    writes the new rows at ``start`` and equals ``grouped_attention`` over the cache's first ``start + s`` rows."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 3, 40, generator=g)[..., :36]  # [b, s, 36], rows 40 apart
+    cos, sin = torch.randn(1, 1, 1, 8, generator=g), torch.randn(1, 1, 1, 8, generator=g)
+    h = x[..., 4:20].view(2, 3, 2, 8).transpose(1, 2)
+    want = h * cos + torch.cat((-h[..., 4:], h[..., :4]), dim=-1) * sin
+    heads = torch.ops.picompile_native.heads
+    got = heads(x, 4, 2, 8, cos, sin, 4)
+    assert got.shape == (2, 2, 3, 8) and got.is_contiguous() and torch.equal(got, want)
+    plain = heads(x, 20, 2, 8, None, None, 0)
+    assert plain.is_contiguous() and torch.equal(plain, x[..., 20:36].view(2, 3, 2, 8).transpose(1, 2))
+    with pytest.raises(RuntimeError, match="do not fit"):
+        heads(x, 30, 2, 8, None, None, 0)
+
+    q, k, v = (torch.randn(2, hh, 2, 8, generator=g) for hh in (4, 2, 2))
+    kc, vc = torch.randn(2, 2, 10, 8, generator=g), torch.randn(2, 2, 10, 8, generator=g)
+    want_k, want_v = kc.clone(), vc.clone()
+    want_k[:, :, 3:5], want_v[:, :, 3:5] = k, v
+    want = grouped_attention(q, want_k[:, :, :5], want_v[:, :, :5], None, 0.3).transpose(1, 2).reshape(2, 2, 32)
+    got = torch.ops.picompile_native.cached_attention(q, k, v, kc, vc, 3, 3, None, 0.3)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    assert got.shape == (2, 2, 32) and torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="past the cache"):
+        torch.ops.picompile_native.cached_attention(q, k, v, kc, vc, 9, 9, None, 0.3)
