@@ -187,12 +187,16 @@ def _writes(user: fx.Node, node: fx.Node) -> bool:
     target = user.target
     if user.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return user.op != "output"
-    args = target._schema.arguments
+    schema = target._schema
+    args = schema.arguments
     for i, a in enumerate(user.args):
         if a is node and i < len(args) and args[i].alias_info is not None and args[i].alias_info.is_write:
             return True
-    return any(v is node and a.alias_info is not None and a.alias_info.is_write
-               for a in args for k, v in user.kwargs.items() if k == a.name)
+    if any(v is node and a.alias_info is not None and a.alias_info.is_write
+           for a in args for k, v in user.kwargs.items() if k == a.name):
+        return True
+    view = len(schema.returns) == 1 and schema.returns[0].alias_info is not None  # a view of node: its writes too
+    return view and any(_writes(u, user) for u in user.users)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -232,7 +236,7 @@ def _split_heads(t: fx.Node) -> tuple[fx.Node, int, int, int] | None:
 def fuse_heads(gm: fx.GraphModule) -> int:
     """``rotary(transpose(view(slice(qkv))), cos, sin, half)`` → ``heads(qkv, offset, n, e, cos, sin, half)``, and
     ``transpose(view(slice(qkv)))`` (v: a view) → ``heads(qkv, offset, n, e)`` (a copy) where no reader writes
-    it; how many."""
+    it, directly or through a view; none where qkv itself is written in place; how many."""
     native = torch.ops.picompile_native
     count = 0
     for node in list(gm.graph.nodes):
@@ -240,6 +244,8 @@ def fuse_heads(gm: fx.GraphModule) -> int:
         if found is None:
             continue
         users = list(node.users)
+        if any(_writes(u, found[0]) for u in found[0].users):  # qkv written in place: its views would see it
+            continue
         if len(users) == 1 and _is(users[0], native.rotary.default) and users[0].args[0] is node:
             rot = users[0]
             _replace(gm, rot, native.heads.default, (*found, *rot.args[1:4]))

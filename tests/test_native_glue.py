@@ -293,3 +293,28 @@ def test_heads_and_cached_attention_equal_their_aten_ops() -> None:
     assert got.shape == (2, 2, 32) and torch.equal(got, want)
     with pytest.raises(RuntimeError, match="past the cache"):
         torch.ops.picompile_native.cached_attention(q, k, v, kc, vc, 9, 9, None, 0.3)
+
+
+def test_fuse_heads_leaves_heads_written_through_a_view() -> None:
+    """A head view some op writes through (here a slice of it, ``copy_``'d into) stays a view: a copy would take
+    the write away from the projection it views."""
+    from picompile.runtime.native_glue import fuse_heads
+
+    graph = torch.fx.Graph()
+    qkv, new = graph.placeholder("qkv"), graph.placeholder("new")
+    qkv.meta["val"], new.meta["val"] = torch.empty(1, 1, 32), torch.empty(1, 2, 1, 8)
+    sl = graph.call_function(aten.slice.Tensor, (qkv, -1, 16, 32))
+    sl.meta["val"] = torch.empty(1, 1, 16)
+    view = graph.call_function(aten.view.default, (sl, [1, 1, -1, 8]))
+    view.meta["val"] = torch.empty(1, 1, 2, 8)
+    t = graph.call_function(aten.transpose.int, (view, 1, 2))
+    t.meta["val"] = torch.empty(1, 2, 1, 8)
+    part = graph.call_function(aten.slice.Tensor, (t, 1, 0, 1))
+    graph.call_function(aten.copy_.default, (part, graph.call_function(aten.slice.Tensor, (new, 1, 0, 1))))
+    graph.output(graph.call_function(aten.mul.Tensor, (qkv, 2.0)))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    x, n = torch.randn(1, 1, 32), torch.randn(1, 2, 1, 8)
+    want = gm(x.clone(), n)
+    assert fuse_heads(gm) == 0
+    gm.recompile()
+    assert torch.equal(gm(x.clone(), n), want) and not torch.equal(want, x * 2.0)  # the write reached qkv
