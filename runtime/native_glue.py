@@ -206,11 +206,21 @@ def _same(a: Any, b: Any) -> bool:
     return bool(statically_known_true(a == b))
 
 
+def _slice_args(node: fx.Node) -> tuple[Any, Any, Any, Any, Any]:
+    """``aten.slice.Tensor``'s (x, dim, start, end, step), its defaults where the node leaves them out."""
+    return (*node.args, *(0, None, None, 1)[len(node.args) - 1:])[:5]
+
+
+def _swaps_1_2(t: Any) -> bool:
+    """Whether ``t`` is ``transpose(x, 1, 2)`` of a 4-D x (either order, negative dims too)."""
+    return (_is(t, aten.transpose.int) and len(t.args) == 3 and not t.kwargs
+            and sorted(d % 4 for d in t.args[1:] if isinstance(d, int)) == [1, 2])
+
+
 def _split_heads(t: fx.Node) -> tuple[fx.Node, int, int, int] | None:
     """(x, offset, n, e) when ``t`` is ``transpose(view(x[..., offset : offset + n * e], [b, s, n, e]), 1, 2)``
     on a float32 x [b, s, d] (each inner node read only by the next)."""
-    if not (_is(t, aten.transpose.int) and len(t.args) == 3 and not t.kwargs
-            and sorted(d % 4 for d in t.args[1:] if isinstance(d, int)) == [1, 2]):
+    if not _swaps_1_2(t):
         return None
     view = t.args[0]
     if not (_is(view, aten.view.default) and _only_user(view, t)):
@@ -218,7 +228,7 @@ def _split_heads(t: fx.Node) -> tuple[fx.Node, int, int, int] | None:
     sl = view.args[0]
     if not (_is(sl, aten.slice.Tensor) and _only_user(sl, view) and not sl.kwargs and 3 <= len(sl.args) <= 5):
         return None
-    x, dim, start, end, step = (*sl.args, *([None, None, 1][len(sl.args) - 2:]))[:5]
+    x, dim, start, end, step = _slice_args(sl)
     xv, vv = _float_val(x), _float_val(view)
     if xv is None or vv is None or xv.dim() != 3 or vv.dim() != 4 or dim not in (2, -1) or step != 1:
         return None
@@ -301,9 +311,8 @@ def fuse_cached_attention(gm: fx.GraphModule) -> int:
         t = next(iter(r1.users)) if len(r1.users) == 1 else None
         r2 = next(iter(t.users)) if t is not None and len(t.users) == 1 else None
         av, v1, v2 = _float_val(node), _float_val(r1), _float_val(r2)
-        if not (_is(r1, aten.reshape.default) and _is(t, aten.transpose.int) and _is(r2, aten.reshape.default)
-                and t.args[0] is r1 and r2.args[0] is t and len(t.args) == 3
-                and sorted(d % 4 for d in t.args[1:] if isinstance(d, int)) == [1, 2]
+        if not (_is(r1, aten.reshape.default) and _swaps_1_2(t) and _is(r2, aten.reshape.default)
+                and t.args[0] is r1 and r2.args[0] is t
                 and av is not None and v1 is not None and v2 is not None and av.dim() == v1.dim() == 4
                 and v2.dim() == 3 and all(_same(a, b) for a, b in zip(av.shape, v1.shape))
                 and _same(v2.shape[0], av.shape[0]) and _same(v2.shape[1], av.shape[2])
@@ -328,7 +337,7 @@ def drop_whole_slices(gm: fx.GraphModule) -> int:
     for node in list(gm.graph.nodes):
         if not _is(node, aten.slice.Tensor) or node.kwargs or not isinstance(node.args[0], fx.Node):
             continue
-        x, dim, start, end, step = (*node.args, *([0, None, None, 1][len(node.args) - 1:]))[:5]
+        x, dim, start, end, step = _slice_args(node)
         val = x.meta.get("val")
         if not (isinstance(val, torch.Tensor) and isinstance(dim, int) and -val.dim() <= dim < val.dim()):
             continue
@@ -391,5 +400,5 @@ def fuse_glue(gm: fx.GraphModule) -> GlueCounts:
     return counts
 
 
-__all__ = ["GlueCounts", "drop_whole_slices", "fold_empty_parts", "fuse_cached_attention", "fuse_glue", "fuse_heads", "inline_input_masks",
-           "share_repeats"]
+__all__ = ["GlueCounts", "drop_whole_slices", "fold_empty_parts", "fuse_cached_attention", "fuse_glue", "fuse_heads",
+           "inline_input_masks", "share_repeats"]

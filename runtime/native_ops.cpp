@@ -531,7 +531,6 @@ at::Tensor grouped_attention(const at::Tensor& q, const at::Tensor& k, const at:
   return at::matmul(at::softmax(scores, -1), v).reshape({b, hq, s, e});
 }
 
-
 // A fused projection's heads (native_glue.fuse_heads): x[..., offset : offset + n * e] [b, s, n * e] as heads
 // [b, n, s, e], rotated by rotary where cos and sin are given; a new contiguous tensor either way (what the slice /
 // view / transpose / rotary chain computes, in one call). heads_direct: float32 x with a contiguous last dimension
@@ -575,8 +574,8 @@ at::Tensor heads(const at::Tensor& x, int64_t offset, int64_t n, int64_t e, cons
   return out;
 }
 
-// cache[:, :, start : start + s] = t (t [b, h, s, e]): row copies where both are float32 with contiguous rows of the same
-// width, else aten's copy_
+// cache[:, :, start : start + s] = t (t [b, h, s, e]): row copies where both are float32 with contiguous rows of
+// the same width, else aten's copy_
 void write_rows(at::Tensor& cache, const at::Tensor& t, int64_t start) {
   const int64_t b = t.size(0), h = t.size(1), s = t.size(2), e = t.size(3);
   if (float_last_contiguous(cache) && float_last_contiguous(t) && cache.size(0) == b && cache.size(1) == h &&
@@ -599,8 +598,8 @@ void write_rows(at::Tensor& cache, const at::Tensor& t, int64_t start) {
 // their first start + s positions, returned as [b, s, hq * e] (what the copies, the cache views, the attention and
 // its reshape / transpose / reshape compute, in one call)
 at::Tensor cached_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
-                            at::Tensor& v_cache, int64_t k_start, int64_t v_start, const std::optional<at::Tensor>& mask,
-                            std::optional<double> scale) {
+                            at::Tensor& v_cache, int64_t k_start, int64_t v_start,
+                            const std::optional<at::Tensor>& mask, std::optional<double> scale) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4,
               "picompile_native.cached_attention: 4-D q, k, v and caches expected");
   const int64_t k_end = k_start + k.size(2), v_end = v_start + v.size(2);
@@ -613,6 +612,7 @@ at::Tensor cached_attention(const at::Tensor& q, const at::Tensor& k, const at::
   if (q.size(2) == 1) return o.reshape({q.size(0), 1, q.size(1) * q.size(3)});  // [b, hq, 1, e] as [b, 1, hq * e]
   return o.transpose(1, 2).reshape({q.size(0), q.size(2), q.size(1) * q.size(3)});
 }
+
 }  // namespace
 
 TORCH_LIBRARY(picompile_native, m) {
