@@ -104,7 +104,7 @@ def describe_up(spec: KernelSpec, isa: str | None) -> tirx.PrimFunc:
         qa = T.decl_buffer((t, RB), "int8", align=64)  # every token's prep_x results
         qb = T.decl_buffer((t, RB), "int8", align=64)
         qc = T.decl_buffer((t, NL), "int32", align=64)
-        qd = T.decl_buffer((t, NL), "float32", align=64)
+        qd = T.decl_buffer((t, nb), "float32", align=64)
         prep_tokens(x, qa, qb, qc, qd, t)  # serial, before the parallel region
         for blk in T.parallel((n + R - 1) // R):
             acc = T.decl_buffer((16,), "float32", align=64)
@@ -113,7 +113,7 @@ def describe_up(spec: KernelSpec, isa: str | None) -> tirx.PrimFunc:
             xa = T.decl_buffer((RB,), "int8", align=64)
             xb = T.decl_buffer((RB,), "int8", align=64)
             xc = T.decl_buffer((NL,), "int32", align=64)
-            xd = T.decl_buffer((NL,), "float32", align=64)
+            xd = T.decl_buffer((nb,), "float32", align=64)
             for tt in range(t):
                 for jj in range(R):
                     if blk * R + jj < n:

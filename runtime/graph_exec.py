@@ -34,11 +34,10 @@ def load_module() -> Any:
     """The built ``picompile_exec`` module (built once per source version), or a str: why not."""
     if "module" not in _STATE and "error" not in _STATE:
         try:
-            from torch.utils.cpp_extension import load
+            from .extension import load_extension
 
             tag = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:10]
-            _STATE["module"] = load(name=f"picompile_exec_{tag}", sources=[str(SOURCE)], extra_cflags=["-O2"],
-                                    verbose=False)
+            _STATE["module"] = load_extension(f"picompile_exec_{tag}", [str(SOURCE)], extra_cflags=["-O2"])
         except Exception as e:  # no compiler, no headers: the GraphModule runs
             _STATE["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
     return _STATE.get("module", _STATE.get("error"))

@@ -36,14 +36,14 @@ def load_library() -> str:
         return _STATE["error"]
     try:
         import tvm_ffi.libinfo as info
-        from torch.utils.cpp_extension import load
+        from .extension import load_extension
 
         lib_dir = str(Path(info.find_libtvm_ffi()).parent)
         tag = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:10]
-        load(name=f"picompile_native_{tag}", sources=[str(SOURCE)],
-             extra_include_paths=[info.find_include_path(), info.find_dlpack_include_path()],
-             extra_cflags=["-O3"], extra_ldflags=[f"-L{lib_dir}", "-ltvm_ffi", f"-Wl,-rpath,{lib_dir}"],
-             is_python_module=False, verbose=False)
+        load_extension(f"picompile_native_{tag}", [str(SOURCE)],
+                       extra_include_paths=[info.find_include_path(), info.find_dlpack_include_path()],
+                       extra_cflags=["-O3"], extra_ldflags=[f"-L{lib_dir}", "-ltvm_ffi", f"-Wl,-rpath,{lib_dir}"],
+                       is_python_module=False)
         _register_fakes()
         launch = _tvm_parallel_launch()
         if launch is not None:

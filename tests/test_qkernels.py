@@ -355,6 +355,40 @@ def test_integer_dot_ffn_matches_quantized_x_reference(case: tuple, tmp_path: Pa
         assert err < TOL, f"k={k}: relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("kind,act,block,d", [("ffn_gated", "relu", 32, 512), ("ffn_relu", "relu", 64, 1024)])
+def test_paired_down_rows_equal_the_four_row_form(kind: str, act: str, block: int, d: int, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """AVX2 int4: the integer down rows as two pairs with int16 sums (``cpu_qdot.paired_down``) give y bit for bit
+    equal to the 4-row ``vpmaddwd`` form, for k = 1 (one padded group), a third and all rows; with large h and
+    scales, so the int16 sums reach their bound's order."""
+    if not _host_has("avx2"):
+        pytest.skip("this CPU cannot run x86-64-v3 code")
+    n = 53
+    spec = KernelSpec(kind, act, d, n, "int4", False, "llvm", block=block)
+    kerns = {}
+    for paired in (True, False):
+        monkeypatch.setattr(cpu_qdot, "PAIRED_DOWN", paired)
+        kerns[paired] = load_kernel(build_kernel(spec, tmp_path / str(paired), mcpu="x86-64-v3"), spec)
+        assert cpu_qdot.paired_down(spec, "avx2") is paired
+    gen = torch.Generator().manual_seed(d)
+    (qu, su, _), (qg, sg, _), (qd, sd, _) = (_quantized(spec, gen) for _ in range(3))
+    qd.copy_(torch.full_like(qd, 0xF0))  # down nibbles 0 and 15: the extremes of (q - 8)
+    qd[::3] = torch.randint(0, 256, qd[::3].shape, generator=gen, dtype=torch.uint8)
+    sd.mul_(40)
+    x = as_aligned(torch.randn(d, generator=gen) * 3)
+    for k in (1, n // 3, n):
+        idx = as_aligned(torch.randperm(n, generator=gen)[:k].to(torch.int32))
+        ys = {}
+        for paired, kern in kerns.items():
+            ys[paired] = aligned_empty(d)
+            named = {"x": x, "w_up": qu, "s_up": su, "w_gate": qg if spec.gated else None,
+                     "s_gate": sg if spec.gated else None, "b_up": None, "w_down_t": qd, "s_down": sd, "idx": idx,
+                     "y": ys[paired]}
+            kern(*(named[a] for a in call_args(spec)))
+        assert torch.equal(ys[True], ys[False]), f"k={k}: {int((ys[True] != ys[False]).sum())} outputs differ"
+    assert ys[True].abs().max() > 0  # all rows: some active
+
+
 def test_integer_dot_can_be_turned_off(tmp_path: Path) -> None:
     """``build_kernel(..., integer_dot=False)`` (benchmarks' A/B) keeps the float path: exact dequantized maths."""
     import json
