@@ -354,6 +354,29 @@ GROUP: int = 4  # gated FFN: active rows per step of the down part (one y_part l
 LEAD: int = 1  # gated FFN: the next rows' up and down lines are prefetched this many groups ahead
 
 
+def _prefetch4_macro(spec: KernelSpec):  # -> TVMScript macro
+    """``prefetch4(wd, sd, n0..n3, c)``: line ``c`` of the down rows ``n0..n3``' quants, and of their scales while
+    ``c`` is below the scales' line count (the group after the current one, in the down macros' loops)."""
+    scale_lines = max(1, _shape(spec)["nb"] * 2 // 64)  # float16 scales: 64-byte lines per row
+
+    def pf(buf, row, col):
+        return T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(buf[row, col]), 0, 2, 1))
+
+    @T.macro(hygienic=True)
+    def prefetch4(wd, sd, n0, n1, n2, n3, c):
+        pf(wd, n0, c * 64)
+        pf(wd, n1, c * 64)
+        pf(wd, n2, c * 64)
+        pf(wd, n3, c * 64)
+        if c < scale_lines:
+            pf(sd, n0, c * 32)
+            pf(sd, n1, c * 32)
+            pf(sd, n2, c * 32)
+            pf(sd, n3, c * 32)
+
+    return prefetch4
+
+
 def _down4_macro(spec: KernelSpec):  # -> TVMScript macro
     """``axpy4(wd, sd, r0..r3, h0..h3, yp, p, n0..n3)``: ``yp[p] += Σ_i h_i · dequant(wd[r_i])`` (float32, per 16
     elements one ``y_part`` load and store for the four rows: ``q * (h * s)`` each), prefetching the same line of
@@ -361,11 +384,8 @@ def _down4_macro(spec: KernelSpec):  # -> TVMScript macro
     B = spec.block
     int4 = spec.weight_dtype == "int4"
     sh = _shape(spec)
-    RB, HB, nb = sh["RB"], sh["HB"], sh["nb"]
-    scale_lines = max(1, nb * 2 // 64)  # float16 scales: 64-byte lines per row
-
-    def pf(buf, row, col):
-        return T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(buf[row, col]), 0, 2, 1))
+    RB, HB = sh["RB"], sh["HB"]
+    prefetch4 = _prefetch4_macro(spec)
 
     def lo(qb):
         return T.Cast("float32x16", T.Cast("int8x16", T.bitwise_and(qb, T.Broadcast(T.uint8(15), 16)))
@@ -378,15 +398,7 @@ def _down4_macro(spec: KernelSpec):  # -> TVMScript macro
     @T.macro(hygienic=True)
     def axpy4(wd, sd, r0, r1, r2, r3, h0, h1, h2, h3, yp, p, n0, n1, n2, n3):
         for c in range(RB // 64):
-            pf(wd, n0, c * 64)
-            pf(wd, n1, c * 64)
-            pf(wd, n2, c * 64)
-            pf(wd, n3, c * 64)
-            if c < scale_lines:
-                pf(sd, n0, c * 32)
-                pf(sd, n1, c * 32)
-                pf(sd, n2, c * 32)
-                pf(sd, n3, c * 32)
+            prefetch4(wd, sd, n0, n1, n2, n3, c)
             for t in T.unroll(4):
                 s0 = T.bind(T.Broadcast(h0 * T.Cast("float32", sd[r0, (c * 64 + t * 16) // HB]), 16))
                 s1 = T.bind(T.Broadcast(h1 * T.Cast("float32", sd[r1, (c * 64 + t * 16) // HB]), 16))
@@ -452,24 +464,30 @@ def _down_int_macro(spec: KernelSpec, isa: str):  # -> (scales4, axpy_int): TVMS
     / int8 quants ``+ 128`` (``^ 0x80``) the u8 operand, ``cw[b]`` the s8 one: one ``vpdpbusd`` (``_dot``) per 16
     outputs from ``cr[b]``, then ``y_part += dc · float(acc)``: one int → float conversion and one FMA per 16 outputs
     for the 4 rows, where the float axpy (``_down4_macro``) converts and multiplies each row's elements. The next
-    rows' lines (quants and scales) are prefetched as there."""
+    rows' lines (quants and scales) are prefetched as there.
+    ``paired_down`` (AVX2 int4): ``scales4`` writes ``cw[b]`` / ``cw[nb + b]`` the (cq_0, cq_1) / (cq_2, cq_3) byte
+    pairs and ``cr[b]`` the int16 offset, each twice per int32; the axpy is ``axpy_pairs`` (``paired_down``)."""
     B = spec.block
     int4 = spec.weight_dtype == "int4"
     sh = _shape(spec)
     RB, HB, nb = sh["RB"], sh["HB"], sh["nb"]
-    scale_lines = max(1, nb * 2 // 64)
     off = -8 if int4 else -128
     perm = [tirx.const(16 * i + e, "int32") for e in range(16) for i in range(4)]  # byte 4e + i ← row i, byte e
     dot = _dot
-
-    def pf(buf, row, col):
-        return T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(buf[row, col]), 0, 2, 1))
 
     def pack(q0, q1, q2, q3):
         m = T.Broadcast(T.int32(255), 16)
         return (T.bitwise_and(q0, m) | T.shift_left(T.bitwise_and(q1, m), T.Broadcast(T.int32(8), 16))
                 | T.shift_left(T.bitwise_and(q2, m), T.Broadcast(T.int32(16), 16))
                 | T.shift_left(q3, T.Broadcast(T.int32(24), 16)))
+
+    prefetch4 = _prefetch4_macro(spec)
+
+    paired = paired_down(spec, isa)
+
+    def pack2(qa, qb):  # two rows' int8 cq as the int16 (qa, qb) byte pair
+        m = T.Broadcast(T.int32(255), 16)
+        return T.bitwise_and(qa, m) | T.shift_left(T.bitwise_and(qb, m), T.Broadcast(T.int32(8), 16))
 
     @T.macro(hygienic=True)
     def scales4(sd, r0, r1, r2, r3, h0, h1, h2, h3, cw, cr, cd):
@@ -486,22 +504,23 @@ def _down_int_macro(spec: KernelSpec, isa: str):  # -> (scales4, axpy_int): TVMS
             q1 = T.bind(T.Cast("int32x16", T.round(c1 * inv)))
             q2 = T.bind(T.Cast("int32x16", T.round(c2 * inv)))
             q3 = T.bind(T.Cast("int32x16", T.round(c3 * inv)))
-            cw[T.ramp(g * 16, 1, 16)] = pack(q0, q1, q2, q3)
-            cr[T.ramp(g * 16, 1, 16)] = T.Broadcast(T.int32(off), 16) * (q0 + q1 + (q2 + q3))
+            if paired:  # two int16 (cq_a, cq_b) byte pairs and the int16 offset, each replicated in both halves
+                p01 = T.bind(pack2(q0, q1))
+                p23 = T.bind(pack2(q2, q3))
+                o16 = T.bind(T.bitwise_and(T.Broadcast(T.int32(off), 16) * (q0 + q1 + (q2 + q3)),
+                                           T.Broadcast(T.int32(0xFFFF), 16)))
+                cw[T.ramp(g * 16, 1, 16)] = p01 | T.shift_left(p01, T.Broadcast(T.int32(16), 16))
+                cw[T.ramp(nb + g * 16, 1, 16)] = p23 | T.shift_left(p23, T.Broadcast(T.int32(16), 16))
+                cr[T.ramp(g * 16, 1, 16)] = o16 | T.shift_left(o16, T.Broadcast(T.int32(16), 16))
+            else:
+                cw[T.ramp(g * 16, 1, 16)] = pack(q0, q1, q2, q3)
+                cr[T.ramp(g * 16, 1, 16)] = T.Broadcast(T.int32(off), 16) * (q0 + q1 + (q2 + q3))
             cd[T.ramp(g * 16, 1, 16)] = dd
 
     @T.macro(hygienic=True)
     def axpy_int(wd, sd, r0, r1, r2, r3, cw, cr, cd, yp, p, n0, n1, n2, n3):
         for c in range(RB // 64):
-            pf(wd, n0, c * 64)
-            pf(wd, n1, c * 64)
-            pf(wd, n2, c * 64)
-            pf(wd, n3, c * 64)
-            if c < scale_lines:
-                pf(sd, n0, c * 32)
-                pf(sd, n1, c * 32)
-                pf(sd, n2, c * 32)
-                pf(sd, n3, c * 32)
+            prefetch4(wd, sd, n0, n1, n2, n3, c)
             for t in T.unroll(4):
                 il = T.bind(T.Shuffle([wd[r0, T.ramp(c * 64 + t * 16, 1, 16)], wd[r1, T.ramp(c * 64 + t * 16, 1, 16)],
                                        wd[r2, T.ramp(c * 64 + t * 16, 1, 16)], wd[r3, T.ramp(c * 64 + t * 16, 1, 16)]],
@@ -520,14 +539,9 @@ def _down_int_macro(spec: KernelSpec, isa: str):  # -> (scales4, axpy_int): TVMS
                         "float32x16", dot(isa, a0, T.bitwise_xor(T.reinterpret("uint8x64", il),
                                                                  T.Broadcast(T.uint8(128), 64)), cv)) * dv
 
-    if not paired_down(spec, isa):
+    if not paired:
         return scales4, axpy_int
     perm2 = [tirx.const(16 * i + e, "int32") for e in range(16) for i in range(2)]  # byte 2e + i ← row i, byte e
-    m16 = 0xFFFF
-
-    def pack2(qa, qb):  # two rows' int8 cq as the int16 (qa, qb) byte pair
-        m = T.Broadcast(T.int32(255), 16)
-        return T.bitwise_and(qa, m) | T.shift_left(T.bitwise_and(qb, m), T.Broadcast(T.int32(8), 16))
 
     def maddubs(u8: tirx.PrimExpr, s8: tirx.PrimExpr) -> tirx.PrimExpr:  # 32 u8 × s8 → 16 int16 pair sums
         return tirx.call_llvm_pure_intrin("int16x16", "llvm.x86.avx2.pmadd.ub.sw", u8, s8)
@@ -538,41 +552,9 @@ def _down_int_macro(spec: KernelSpec, isa: str):  # -> (scales4, axpy_int): TVMS
         return T.shift_right(T.shift_left(w, sixteen), sixteen), T.shift_right(w, sixteen)
 
     @T.macro(hygienic=True)
-    def scales4_pairs(sd, r0, r1, r2, r3, h0, h1, h2, h3, cw, cr, cd):
-        for g in range(nb // 16):
-            c0 = T.bind(T.Broadcast(h0, 16) * T.Cast("float32x16", sd[r0, T.ramp(g * 16, 1, 16)]))
-            c1 = T.bind(T.Broadcast(h1, 16) * T.Cast("float32x16", sd[r1, T.ramp(g * 16, 1, 16)]))
-            c2 = T.bind(T.Broadcast(h2, 16) * T.Cast("float32x16", sd[r2, T.ramp(g * 16, 1, 16)]))
-            c3 = T.bind(T.Broadcast(h3, 16) * T.Cast("float32x16", sd[r3, T.ramp(g * 16, 1, 16)]))
-            dd = T.bind(T.max(T.max(T.fabs(c0), T.fabs(c1)), T.max(T.fabs(c2), T.fabs(c3)))
-                        / T.Broadcast(T.float32(127), 16))
-            inv = T.bind(T.Select(dd != T.Broadcast(T.float32(0), 16), T.Broadcast(T.float32(1), 16) / dd,
-                                  T.Broadcast(T.float32(0), 16)))
-            q0 = T.bind(T.Cast("int32x16", T.round(c0 * inv)))
-            q1 = T.bind(T.Cast("int32x16", T.round(c1 * inv)))
-            q2 = T.bind(T.Cast("int32x16", T.round(c2 * inv)))
-            q3 = T.bind(T.Cast("int32x16", T.round(c3 * inv)))
-            p01 = T.bind(pack2(q0, q1))
-            p23 = T.bind(pack2(q2, q3))
-            o16 = T.bind(T.bitwise_and(T.Broadcast(T.int32(off), 16) * (q0 + q1 + (q2 + q3)),
-                                       T.Broadcast(T.int32(m16), 16)))
-            cw[T.ramp(g * 16, 1, 16)] = p01 | T.shift_left(p01, T.Broadcast(T.int32(16), 16))
-            cw[T.ramp(nb + g * 16, 1, 16)] = p23 | T.shift_left(p23, T.Broadcast(T.int32(16), 16))
-            cr[T.ramp(g * 16, 1, 16)] = o16 | T.shift_left(o16, T.Broadcast(T.int32(16), 16))
-            cd[T.ramp(g * 16, 1, 16)] = dd
-
-    @T.macro(hygienic=True)
     def axpy_pairs(wd, sd, r0, r1, r2, r3, cw, cr, cd, yp, p, n0, n1, n2, n3):
         for c in range(RB // 64):
-            pf(wd, n0, c * 64)
-            pf(wd, n1, c * 64)
-            pf(wd, n2, c * 64)
-            pf(wd, n3, c * 64)
-            if c < scale_lines:
-                pf(sd, n0, c * 32)
-                pf(sd, n1, c * 32)
-                pf(sd, n2, c * 32)
-                pf(sd, n3, c * 32)
+            prefetch4(wd, sd, n0, n1, n2, n3, c)
             for t in T.unroll(4):
                 il01 = T.bind(T.Shuffle([wd[r0, T.ramp(c * 64 + t * 16, 1, 16)],
                                          wd[r1, T.ramp(c * 64 + t * 16, 1, 16)]], perm2))
@@ -593,7 +575,7 @@ def _down_int_macro(spec: KernelSpec, isa: str):  # -> (scales4, axpy_int): TVMS
                 yp[p, T.ramp(e + HB + 8, 1, 8)] = yp[p, T.ramp(e + HB + 8, 1, 8)] + T.Cast(
                     "float32x8", halves(shi)[1]) * dv
 
-    return scales4_pairs, axpy_pairs
+    return scales4, axpy_pairs
 
 
 def describe_ffn(spec: KernelSpec, isa: str, partitions: int) -> tirx.PrimFunc:
