@@ -14,12 +14,24 @@ SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 FAMILIES: list[tuple[str, str]] = [("opt", "relu"), ("llama", "relu"), ("llama", "silu")]
 
 
+_SESSION_CACHE: list[str] = []  # the kernel cache directory this process made (the xdist workers inherit it)
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    # compiled TVM kernels go to a cache of this test session, not the user's
+    # compiled TVM kernels go to a cache of this test session, not the user's; removed when the session ends
     import os
     import tempfile
 
-    os.environ.setdefault("PICOMPILE_CACHE_DIR", tempfile.mkdtemp(prefix="picompile-test-cache-"))
+    if "PICOMPILE_CACHE_DIR" not in os.environ:
+        os.environ["PICOMPILE_CACHE_DIR"] = tempfile.mkdtemp(prefix="picompile-test-cache-")
+        _SESSION_CACHE.append(os.environ["PICOMPILE_CACHE_DIR"])
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    import shutil
+
+    for path in _SESSION_CACHE:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
