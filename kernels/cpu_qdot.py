@@ -267,9 +267,9 @@ BATCH_ROWS: int = 64  # several-token ``up``: rows per parallel block (64 int4 r
 
 def token_macros(spec: KernelSpec, isa: str):  # -> (prep_tokens, take_token): TVMScript macros
     """Several tokens' x for ``row_dot``: ``prep_tokens(x, qa, qb, qc, qd, t)`` quantizes each row of ``x`` [t, d]
-    as the one-token kernel does (``prep_x``; serial, before a parallel region) into ``qa``/``qb`` [t, RB] and
-    ``qc`` [t, NL] / ``qd`` [t, blocks]; ``take_token(qa, qb, qc, qd, tt, xa, xb, xc, xd)`` copies token ``tt``'s into a thread's
-    one-token buffers."""
+    as the one-token kernel does (``prep_x``; serial, before a parallel region) into ``qa``/``qb`` [t, RB],
+    ``qc`` [t, NL] and ``qd`` [t, blocks]; ``take_token(qa, qb, qc, qd, tt, xa, xb, xc, xd)`` copies token
+    ``tt``'s into a thread's one-token buffers."""
     d = spec.d_model
     sh = _shape(spec)
     nb, RB, NL = sh["nb"], sh["RB"], sh["NL"]
