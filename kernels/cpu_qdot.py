@@ -546,10 +546,13 @@ def _down_int_macro(spec: KernelSpec, isa: str):  # -> (scales4, axpy_int): TVMS
     def maddubs(u8: tirx.PrimExpr, s8: tirx.PrimExpr) -> tirx.PrimExpr:  # 32 u8 × s8 → 16 int16 pair sums
         return tirx.call_llvm_pure_intrin("int16x16", "llvm.x86.avx2.pmadd.ub.sw", u8, s8)
 
-    def halves(v: tirx.PrimExpr) -> tuple[tirx.PrimExpr, tirx.PrimExpr]:  # int16x16 → its even, odd lanes as int32
-        w = T.reinterpret("int32x8", v)
-        sixteen = T.Broadcast(T.int32(16), 8)
-        return T.shift_right(T.shift_left(w, sixteen), sixteen), T.shift_right(w, sixteen)
+    sixteen = T.Broadcast(T.int32(16), 8)
+
+    def evens(v: tirx.PrimExpr) -> tirx.PrimExpr:  # int16x16 → its even lanes as int32 (sign-extended)
+        return T.shift_right(T.shift_left(T.reinterpret("int32x8", v), sixteen), sixteen)
+
+    def odds(v: tirx.PrimExpr) -> tirx.PrimExpr:  # int16x16 → its odd lanes as int32
+        return T.shift_right(T.reinterpret("int32x8", v), sixteen)
 
     @T.macro(hygienic=True)
     def axpy_pairs(wd, sd, r0, r1, r2, r3, cw, cr, cd, yp, p, n0, n1, n2, n3):
@@ -569,11 +572,10 @@ def _down_int_macro(spec: KernelSpec, isa: str):  # -> (scales4, axpy_int): TVMS
                              + maddubs(T.bitwise_and(il23, T.Broadcast(T.uint8(15), 32)), c23))
                 shi = T.bind(a0 + maddubs(T.shift_right(il01, T.Broadcast(T.uint8(4), 32)), c01)
                              + maddubs(T.shift_right(il23, T.Broadcast(T.uint8(4), 32)), c23))
-                yp[p, T.ramp(e, 1, 8)] = yp[p, T.ramp(e, 1, 8)] + T.Cast("float32x8", halves(slo)[0]) * dv
-                yp[p, T.ramp(e + 8, 1, 8)] = yp[p, T.ramp(e + 8, 1, 8)] + T.Cast("float32x8", halves(slo)[1]) * dv
-                yp[p, T.ramp(e + HB, 1, 8)] = yp[p, T.ramp(e + HB, 1, 8)] + T.Cast("float32x8", halves(shi)[0]) * dv
-                yp[p, T.ramp(e + HB + 8, 1, 8)] = yp[p, T.ramp(e + HB + 8, 1, 8)] + T.Cast(
-                    "float32x8", halves(shi)[1]) * dv
+                yp[p, T.ramp(e, 1, 8)] = yp[p, T.ramp(e, 1, 8)] + T.Cast("float32x8", evens(slo)) * dv
+                yp[p, T.ramp(e + 8, 1, 8)] = yp[p, T.ramp(e + 8, 1, 8)] + T.Cast("float32x8", odds(slo)) * dv
+                yp[p, T.ramp(e + HB, 1, 8)] = yp[p, T.ramp(e + HB, 1, 8)] + T.Cast("float32x8", evens(shi)) * dv
+                yp[p, T.ramp(e + HB + 8, 1, 8)] = yp[p, T.ramp(e + HB + 8, 1, 8)] + T.Cast("float32x8", odds(shi)) * dv
 
     return scales4, axpy_pairs
 

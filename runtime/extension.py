@@ -30,7 +30,6 @@ def load_extension(name: str, sources: list[str], **kwargs: Any) -> Any:
     from torch.utils.cpp_extension import load
 
     build = build_directory(name)
-    build.mkdir(parents=True, exist_ok=True)
     with open(build / FLOCK_NAME, "a+") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:

@@ -20,6 +20,8 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, fx
 
+from picompile.ir.graph import is_view
+
 SOURCE = Path(__file__).with_name("graph_exec.cpp")
 _STATE: dict[str, Any] = {}  # "module": the built extension, "error": why it could not be built
 
@@ -126,7 +128,7 @@ class _Builder:
                 if a.alias_info is None or not a.alias_info.is_write or i >= len(node.args):
                     continue
                 v = node.args[i]
-                while isinstance(v, fx.Node) and v.op == "call_function" and _is_view(v):
+                while isinstance(v, fx.Node) and v.op == "call_function" and is_view(v):
                     v = v.args[0]
                 if isinstance(v, fx.Node) and v.op == "get_attr":
                     out.add(v)
@@ -185,15 +187,6 @@ class _Builder:
 
     def _freeable(self, node: fx.Node) -> bool:
         return node.op == "call_function" or node.op == "placeholder"
-
-
-def _is_view(node: fx.Node) -> bool:
-    """Whether ``node`` is an operator returning a view of its first argument (slice, view, transpose, …)."""
-    target = node.target
-    if not isinstance(target, torch._ops.OpOverload) or not node.args or not isinstance(node.args[0], fx.Node):
-        return False
-    returns = target._schema.returns
-    return len(returns) == 1 and returns[0].alias_info is not None and not returns[0].alias_info.is_write
 
 
 class ExecStep:

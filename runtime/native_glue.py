@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from picompile.ir.graph import get_tensor
+from picompile.ir.graph import get_tensor, is_view
 from picompile.ir.schema import args_of, node_op
 
 aten = torch.ops.aten
@@ -187,16 +187,15 @@ def _writes(user: fx.Node, node: fx.Node) -> bool:
     target = user.target
     if user.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return user.op != "output"
-    schema = target._schema
-    args = schema.arguments
+    args = target._schema.arguments
     for i, a in enumerate(user.args):
         if a is node and i < len(args) and args[i].alias_info is not None and args[i].alias_info.is_write:
             return True
     if any(v is node and a.alias_info is not None and a.alias_info.is_write
            for a in args for k, v in user.kwargs.items() if k == a.name):
         return True
-    view = len(schema.returns) == 1 and schema.returns[0].alias_info is not None  # a view of node: its writes too
-    return view and any(_writes(u, user) for u in user.users)
+    # a view of node: its writes are node's too
+    return is_view(user) and user.args[0] is node and any(_writes(u, user) for u in user.users)
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -559,11 +559,10 @@ at::Tensor heads(const at::Tensor& x, int64_t offset, int64_t n, int64_t e, cons
         for (int64_t si = 0; si < s; ++si) {
           const float* xr = xp + bi * x.stride(0) + si * x.stride(1) + offset + h * e;
           float* o = op + ((bi * n + h) * s + si) * e;
-          if (!rotate) {
+          if (rotate)
+            rotate_row(xr, c, sn, half, o);
+          else
             std::copy(xr, xr + e, o);
-            continue;
-          }
-          rotate_row(xr, c, sn, half, o);
         }
     return out;
   }

@@ -83,6 +83,16 @@ def drop_noop_ops(gm: fx.GraphModule) -> dict[str, int]:
     return counts
 
 
+def is_view(node: fx.Node) -> bool:
+    """Whether ``node`` is an operator returning a view of its first argument (slice, view, transpose, …), by its
+    schema: one aliasing, non-written return."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    returns = target._schema.returns
+    return len(returns) == 1 and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+
+
 def placeholders(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "placeholder"]
 
